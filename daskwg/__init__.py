@@ -1,0 +1,47 @@
+"""daskwg: verl-style single-controller worker groups on Dask.
+
+One driver holds :class:`WorkerGroup` objects; each rank of a group is an instance of a
+user :class:`Worker` subclass living in a Dask worker process. Methods marked with
+:func:`register` are bound on the group: the arguments are split per rank (dispatch),
+the method runs on every rank (execute) and the results are merged (collect).
+"""
+
+from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
+from .cluster import local_cluster
+from .decorator import Dispatch, Execute, make_nd_compute_dataproto_dispatch_fn, register, register_dispatch_mode, update_dispatch_mode
+from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError, WorldSizeError
+from .futures import DataProtoFuture
+from .group import ClassWithInitArgs, WorkerGroup
+from .pool import ResourcePool
+from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
+from .worker import DistGlobalInfo, DistRankInfo, Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClassWithInitArgs",
+    "DataProto",
+    "DataProtoConfig",
+    "DataProtoFuture",
+    "DataProtoItem",
+    "Dispatch",
+    "DispatchError",
+    "DistGlobalInfo",
+    "DistRankInfo",
+    "Execute",
+    "GroupBrokenError",
+    "RankError",
+    "ResourcePool",
+    "Worker",
+    "WorkerGroup",
+    "WorkerGroupError",
+    "WorkerLostError",
+    "WorldSizeError",
+    "local_cluster",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "pad_dataproto_to_divisor",
+    "register",
+    "register_dispatch_mode",
+    "unpad_dataproto",
+    "update_dispatch_mode",
+]

@@ -1,0 +1,410 @@
+"""The worker side: a Dask ``WorkerPlugin`` that hosts the ranks of worker groups.
+
+One :class:`HostPlugin` lives in every Dask worker process (registered once per
+cluster under the name ``"daskwg"``). It keeps the user's Worker instances (one per
+group that has a rank on this worker), sets each rank's environment before its code
+runs, and runs every call on one dedicated thread, in the order the driver issued
+them.
+
+Calls arrive on two paths, both carrying a per-driver sequence number for this
+worker:
+
+* a Dask task (``client.submit`` pinned to this worker) running :func:`run_call`,
+  used for non-blocking calls and whenever an argument is a future;
+* a request to the ``daskwg_call`` handler this plugin installs on the worker's
+  comm server (how Dask actors are reached), used for blocking calls.
+
+The :class:`_Sequencer` releases calls to the thread strictly by sequence number, so
+the two paths cannot overtake each other, and Dask's last-in-first-out start of
+near-simultaneous tasks cannot reorder collectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import get_worker, secede
+from distributed.comm.addressing import get_address_host
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
+
+from . import serialization  # noqa: F401  (installs the tensor serializer in workers)
+from .errors import GroupBrokenError, RankError
+
+__all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "daskwg"
+
+#: Environment variables daskwg owns on every rank; ``worker_env`` may not set them.
+RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call into one rank, as the driver sends it.
+
+    Attributes:
+        session: id of the issuing driver (its Dask client id); sequence numbers count
+            per session and worker.
+        seq: this call's position in the session's order on this worker.
+        group_id: unique id of the group.
+        group_name: readable group name (for messages).
+        rank: the rank called.
+        method: the method name, or ``"__init__"`` / ``"__del__"`` for the life-cycle
+            calls that build and destroy the rank object.
+        owner: client id that owns the group.
+    """
+
+    session: str
+    seq: int
+    group_id: str
+    group_name: str
+    rank: int
+    method: str
+    owner: str
+
+
+@dataclass(frozen=True)
+class LazyArg:
+    """Placeholder for an argument that is a ``DataProtoFuture``.
+
+    The futures themselves travel in a separate list so that Dask resolves them (moving
+    the data worker to worker); ``transform(values)`` rebuilds the argument on the rank.
+    """
+
+    index: int
+    transform: Callable[[list], Any]
+
+
+@dataclass
+class _Hosted:
+    instance: Any
+    env: dict
+    owner: str
+    detached: bool
+    group_name: str
+    world_size: int
+
+
+@dataclass
+class _Session:
+    next_seq: int = 0
+    pending: dict = field(default_factory=dict)
+    skipped: set = field(default_factory=set)
+
+
+class _Sequencer:
+    """Releases work items to a single thread strictly in sequence-number order."""
+
+    def __init__(self, executor: ThreadPoolExecutor):
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+
+    def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
+        result: ConcurrentFuture = ConcurrentFuture()
+        with self._lock:
+            state = self._sessions.setdefault(session, _Session())
+            if seq < state.next_seq or seq in state.pending:
+                result.set_exception(
+                    RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
+                )
+                return result
+            # A call the driver gave up on (skip) may still arrive; then it runs.
+            state.skipped.discard(seq)
+            state.pending[seq] = (fn, result)
+            self._release(state)
+        return result
+
+    def skip(self, session: str, seq: int) -> None:
+        """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
+        with self._lock:
+            state = self._sessions.setdefault(session, _Session())
+            if seq >= state.next_seq and seq not in state.pending:
+                state.skipped.add(seq)
+                self._release(state)
+
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    def _release(self, state: _Session) -> None:
+        while True:
+            seq = state.next_seq
+            if seq in state.skipped:
+                state.skipped.discard(seq)
+            elif seq in state.pending:
+                fn, result = state.pending.pop(seq)
+                self._executor.submit(_run_into, fn, result)
+            else:
+                return
+            state.next_seq += 1
+
+
+def _run_into(fn: Callable[[], Any], result: ConcurrentFuture) -> None:
+    if not result.set_running_or_notify_cancel():
+        return
+    try:
+        value = fn()
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
+        result.set_exception(exc)
+    else:
+        result.set_result(value)
+
+
+class HostPlugin(WorkerPlugin):
+    """Hosts worker-group ranks inside a Dask worker (a ``distributed.WorkerPlugin``).
+
+    Registered by :class:`daskwg.WorkerGroup` with ``client.register_plugin``; the
+    plugin is idempotent, so every group and every driver share the one instance per
+    worker. It installs the comm handlers ``daskwg_call``, ``daskwg_skip``,
+    ``daskwg_reserve_port`` and ``daskwg_release`` on the worker.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        self.worker = worker
+        self.address = worker.address
+        self._hosted: dict[tuple[str, int], _Hosted] = {}
+        self._hosted_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskwg-host")
+        self._sequencer = _Sequencer(self._executor)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reserved_ports: set[int] = set()
+        self._current_env: dict | None = None
+        worker.handlers["daskwg_call"] = self._handle_call
+        worker.handlers["daskwg_skip"] = self._handle_skip
+        worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
+        worker.handlers["daskwg_release"] = self._handle_release
+        worker.handlers["daskwg_info"] = self._handle_info
+
+    def teardown(self, worker) -> None:
+        with self._hosted_lock:
+            self._hosted.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- entry points ----------------------------------------------------------------
+
+    def enqueue(self, call: Call, payload: Any, lazy_values: list | None = None) -> ConcurrentFuture:
+        """Queue ``call`` for the host thread; returns a future of its result."""
+        return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
+
+    async def _handle_call(self, call: Call, payload: Any) -> dict:
+        cfut = self.enqueue(call, payload)
+        try:
+            result = await asyncio.wrap_future(cfut)
+        except BaseException as exc:  # noqa: BLE001
+            return {"status": "error", "exception": to_serialize(_picklable_error(exc))}
+        return {"status": "OK", "result": to_serialize(result)}
+
+    def _handle_skip(self, session: str, seqs: list[int]) -> None:
+        for seq in seqs:
+            self._sequencer.skip(session, seq)
+
+    def _handle_reserve_port(self, port: int | None = None) -> int:
+        return self._reserve_port(port)
+
+    def _handle_release(self, client: str) -> int:
+        """Destroy the non-detached ranks owned by ``client`` (a driver that left)."""
+        with self._hosted_lock:
+            keys = [k for k, h in self._hosted.items() if h.owner == client and not h.detached]
+            for key in keys:
+                self._hosted.pop(key)
+        self._sequencer.forget(client)
+        if keys:
+            logger.info("released %d rank(s) of driver %s", len(keys), client)
+            gc.collect()
+        return len(keys)
+
+    def _handle_info(self) -> dict:
+        with self._hosted_lock:
+            return {
+                "pid": os.getpid(),
+                "worker_id": self.worker.id,
+                "groups": sorted({(h.group_name, gid, rank) for (gid, rank), h in self._hosted.items()}),
+            }
+
+    # ---- the host thread ---------------------------------------------------------------
+
+    def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if call.method == "__init__":
+                return self._create(call, payload)
+            if call.method == "__del__":
+                return self._destroy(call)
+            return self._invoke(call, payload, lazy_values)
+        except RankError:
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            raise RankError(
+                call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
+            ) from None
+        finally:
+            logger.debug(
+                "%s.%s rank %d (call %d) took %.3f s",
+                call.group_name,
+                call.method,
+                call.rank,
+                call.seq,
+                time.perf_counter() - t0,
+            )
+
+    def _apply_env(self, env: dict) -> None:
+        # Groups sharing this process each see their own rank environment: it is put
+        # in place before every call (calls run one at a time on this thread).
+        if env is not self._current_env:
+            os.environ.update(env)
+            self._current_env = env
+
+    def _create(self, call: Call, payload: dict) -> dict:
+        key = (call.group_id, call.rank)
+        with self._hosted_lock:
+            if key in self._hosted:
+                raise GroupBrokenError(f"rank {call.rank} of group {call.group_name!r} already exists here")
+        env = dict(payload["env"])
+        self._current_env = None
+        self._apply_env(env)
+        cls_with_init = payload["cls"]
+        instance = cls_with_init()
+        with self._hosted_lock:
+            self._hosted[key] = _Hosted(
+                instance=instance,
+                env=env,
+                owner=call.owner,
+                detached=payload["detached"],
+                group_name=call.group_name,
+                world_size=payload["world_size"],
+            )
+        return {"pid": os.getpid(), "worker_id": self.worker.id, "host": get_address_host(self.address)}
+
+    def _destroy(self, call: Call) -> bool:
+        with self._hosted_lock:
+            hosted = self._hosted.pop((call.group_id, call.rank), None)
+        if hosted is None:
+            return False
+        port = hosted.env.get("MASTER_PORT")
+        if port is not None and call.rank == 0:
+            self._reserved_ports.discard(int(port))
+        del hosted
+        gc.collect()
+        return True
+
+    def _lookup(self, call: Call) -> _Hosted:
+        with self._hosted_lock:
+            hosted = self._hosted.get((call.group_id, call.rank))
+        if hosted is None:
+            raise GroupBrokenError(
+                f"rank {call.rank} of group {call.group_name!r} is not hosted on {self.address}: "
+                "the group was shut down, its driver left, or this worker restarted"
+            )
+        if hosted.owner != call.owner:
+            raise PermissionError(f"group {call.group_name!r} belongs to another driver; attach to it by name")
+        return hosted
+
+    def _invoke(self, call: Call, payload: tuple, lazy_values: list | None) -> Any:
+        hosted = self._lookup(call)
+        args, kwargs = payload
+        if lazy_values is not None:
+            args = tuple(_resolve(a, lazy_values) for a in args)
+            kwargs = {k: _resolve(v, lazy_values) for k, v in kwargs.items()}
+        self._apply_env(hosted.env)
+        try:
+            method = getattr(hosted.instance, call.method)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(hosted.instance).__name__} has no method {call.method!r}"
+            ) from None
+        result = method(*args, **kwargs)
+        if inspect.isawaitable(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            result = self._loop.run_until_complete(result)
+        _check_picklable(result, call)
+        return result
+
+    def _reserve_port(self, port: int | None) -> int:
+        host = get_address_host(self.address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for _ in range(64):
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port or 0))
+                except OSError as exc:
+                    if port:
+                        raise OSError(f"MASTER_PORT {port} is already in use on {host}: {exc.strerror}") from None
+                    raise
+                chosen = sock.getsockname()[1]
+            if port or chosen not in self._reserved_ports:
+                self._reserved_ports.add(chosen)
+                return chosen
+        raise OSError(f"could not find a free port on {host}")
+
+
+def _resolve(value: Any, lazy_values: list) -> Any:
+    if isinstance(value, LazyArg):
+        return value.transform(lazy_values[value.index])
+    return value
+
+
+def _check_picklable(result: Any, call: Call) -> None:
+    """Fail with a clear error now rather than inside Dask's comm layer later."""
+    if result is None or isinstance(result, (int, float, str, bytes, bool, np.ndarray, torch.Tensor)):
+        return
+    if type(result).__name__ == "DataProto":
+        return
+    try:
+        pickle.dumps(result, protocol=5, buffer_callback=lambda _: None)
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(
+            f"{call.group_name}.{call.method} on rank {call.rank} returned a "
+            f"{type(result).__module__}.{type(result).__qualname__}, which cannot be serialised "
+            f"({type(exc).__name__}: {exc}); return tensors, numpy arrays, DataProto or plain data"
+        ) from None
+
+
+def _picklable_exception(exc: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _picklable_error(exc: BaseException) -> BaseException:
+    return _picklable_exception(exc) or RuntimeError(repr(exc))
+
+
+def run_call(call: Call, payload: Any, lazy_values: list | None = None) -> Any:
+    """The task function of the Dask-task path: run ``call`` on this worker's host.
+
+    ``lazy_values`` are the materialised parts of ``DataProtoFuture`` arguments (Dask
+    resolved them before the task started). The task secedes from Dask's thread pool
+    while it waits for its turn, so a call that waits for an earlier one never holds
+    the worker's only thread.
+    """
+    host = get_worker().plugins.get(PLUGIN_NAME)
+    if host is None:
+        raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
+    secede()
+    return host.enqueue(call, payload, lazy_values).result()

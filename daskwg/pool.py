@@ -1,0 +1,206 @@
+"""Choosing and ordering the Dask workers that host a group's ranks.
+
+:class:`ResourcePool` is daskwg's counterpart of verl's ``RayResourcePool``: an ordered
+set of Dask workers. Groups built on the same pool (or on overlapping splits of it)
+share the worker processes, which is how roles are colocated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distributed import Client
+from distributed.comm.addressing import get_address_host
+
+from .errors import WorldSizeError
+
+__all__ = ["ResourcePool", "WorkerSlot", "rank_order"]
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """One Dask worker as a group sees it.
+
+    Attributes:
+        address: the worker's comm address (``tcp://host:port``).
+        host: the host part of the address (a bare IPv6 literal for IPv6).
+        name: the worker's Dask name.
+        device: the first entry of the worker's ``CUDA_VISIBLE_DEVICES`` (``None`` if unset).
+        server_id: the worker process's Dask server id; changes when a worker restarts.
+    """
+
+    address: str
+    host: str
+    name: str
+    device: str | None
+    server_id: str
+
+
+def _device_key(device: str | None) -> tuple:
+    if device is None or device == "":
+        return (2, 0, "")
+    if device.isdigit():
+        return (0, int(device), "")
+    return (1, 0, device)
+
+
+def _name_key(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def rank_order(slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
+    """Order workers as the design's rank contract says.
+
+    By host, then by the GPU the worker owns (numeric ids as numbers, opaque ids such as
+    UUIDs after them, workers without a device last), then by worker name.
+    """
+    return sorted(slots, key=lambda s: (s.host, _device_key(s.device), _name_key(str(s.name)), s.address))
+
+
+def _first_visible_device() -> str | None:
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return value.split(",")[0].strip()
+
+
+def _cluster_slots(client: Client) -> list[WorkerSlot]:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    if not info:
+        return []
+    devices = client.run(_first_visible_device, workers=list(info))
+    return [
+        WorkerSlot(
+            address=addr,
+            host=get_address_host(addr),
+            name=str(w.get("name", addr)),
+            device=devices.get(addr),
+            server_id=w["id"],
+        )
+        for addr, w in info.items()
+        if addr in devices
+    ]
+
+
+def _fits(worker_resources: dict, wanted: dict) -> bool:
+    return all(worker_resources.get(k, 0) >= v for k, v in wanted.items())
+
+
+class ResourcePool:
+    """An ordered set of Dask workers that groups are built on.
+
+    Args:
+        client: a connected ``distributed.Client``.
+        world_size: how many workers to take (the first ones in rank order). ``None``
+            takes every matching worker.
+        workers: explicit worker addresses (or names); their rank order is still the
+            design's order. Mutually exclusive with ``resources``.
+        resources: Dask worker resources a worker must offer, e.g. ``{"GPU": 1}``.
+
+    Raises:
+        WorldSizeError: fewer matching workers than ``world_size``; the message lists
+            the workers found.
+        ValueError: an unknown worker address/name, duplicates, or a bad ``world_size``.
+        TypeError: arguments of the wrong type.
+
+    Mirrors verl's ``RayResourcePool``; :meth:`split` mirrors ``split_resource_pool``.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        world_size: int | None = None,
+        workers: Sequence[str] | None = None,
+        resources: dict[str, float] | None = None,
+        *,
+        _slots: Sequence[WorkerSlot] | None = None,
+    ):
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        ):
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if workers is not None and resources is not None:
+            raise ValueError("pass either workers= or resources=, not both")
+        self.client = client
+        if _slots is not None:
+            self._slots = list(_slots)
+            return
+        slots = _cluster_slots(client)
+        if workers is not None:
+            if isinstance(workers, str) or not isinstance(workers, Sequence):
+                raise TypeError("workers must be a list of worker addresses or names")
+            by_key = {s.address: s for s in slots} | {s.name: s for s in slots}
+            unknown = [w for w in workers if w not in by_key]
+            if unknown:
+                raise ValueError(
+                    f"unknown worker(s) {unknown}; the cluster has {sorted(s.address for s in slots)}"
+                )
+            chosen = [by_key[w] for w in workers]
+            if len({s.address for s in chosen}) != len(chosen):
+                raise ValueError(f"workers lists a worker twice: {list(workers)}")
+            slots = chosen
+            if world_size is not None and world_size != len(slots):
+                raise WorldSizeError(
+                    f"world_size={world_size} but {len(slots)} workers were given; pass one address per rank"
+                )
+        elif resources is not None:
+            info = client.scheduler_info(n_workers=-1)["workers"]
+            slots = [s for s in slots if _fits(info[s.address].get("resources", {}), resources)]
+        slots = rank_order(slots)
+        if world_size is not None:
+            if world_size > len(slots):
+                found = ", ".join(s.address for s in slots) or "none"
+                what = f" with resources {resources}" if resources else ""
+                raise WorldSizeError(
+                    f"asked for {world_size} ranks, the cluster has {len(slots)} workers{what} ({found}); "
+                    f"start more workers or pass world_size={len(slots)}"
+                )
+            slots = slots[:world_size]
+        if not slots:
+            raise WorldSizeError("the cluster has no (matching) workers; start some workers first")
+        self._slots = slots
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers (ranks) in the pool."""
+        return len(self._slots)
+
+    @property
+    def slots(self) -> list[WorkerSlot]:
+        """The workers in rank order."""
+        return list(self._slots)
+
+    @property
+    def workers(self) -> list[str]:
+        """Worker addresses in rank order (``workers[rank]``)."""
+        return [s.address for s in self._slots]
+
+    def split(self, sizes: int | Sequence[int]) -> list[ResourcePool]:
+        """Cut the pool into consecutive sub-pools.
+
+        Args:
+            sizes: a list of sizes summing to ``world_size``, or one int that divides it.
+        Returns:
+            one ``ResourcePool`` per size, in order; each sub-pool's ranks restart at 0.
+        Raises:
+            ValueError: sizes that do not add up to ``world_size`` or are not positive.
+        """
+        if isinstance(sizes, int) and not isinstance(sizes, bool):
+            if sizes < 1 or self.world_size % sizes:
+                raise ValueError(f"split size {sizes} does not divide world_size {self.world_size}")
+            sizes = [sizes] * (self.world_size // sizes)
+        sizes = list(sizes)
+        if any(not isinstance(s, int) or s < 1 for s in sizes) or sum(sizes) != self.world_size:
+            raise ValueError(f"split sizes {sizes} must be positive ints summing to world_size {self.world_size}")
+        out, start = [], 0
+        for size in sizes:
+            out.append(ResourcePool(self.client, _slots=self._slots[start : start + size]))
+            start += size
+        return out
+
+    def __repr__(self) -> str:
+        return f"ResourcePool(world_size={self.world_size}, workers={self.workers})"
