@@ -1,0 +1,121 @@
+"""Shared fixtures: real Dask clusters (worker processes), never a mock of Dask."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+
+# Worker processes import the test modules' Worker classes by reference.
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _local_cluster(n_workers: int) -> LocalCluster:
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=":0",
+    )
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    """A 4-worker process cluster shared by tests that leave its workers alive."""
+    with _local_cluster(4) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client4(cluster4):
+    with Client(cluster4) as client:
+        yield client
+
+
+@pytest.fixture
+def fresh_cluster4():
+    """A 4-worker cluster of its own, for tests that kill or break workers."""
+    with _local_cluster(4) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def gpu_spec_cluster(devices: list[str], **worker_options) -> SpecCluster:
+    """A cluster whose workers see the given ``CUDA_VISIBLE_DEVICES`` strings, as
+    dask-cuda sets them (simulated GPUs: nothing touches CUDA)."""
+    workers = {
+        f"w{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": dev}, "dashboard_address": ":0", **worker_options},
+        }
+        for i, dev in enumerate(devices)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    return SpecCluster(workers=workers, scheduler=scheduler)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dask_cli() -> list[str]:
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "dask"]
+
+
+class CLICluster:
+    """``dask scheduler`` and ``dask worker`` started as separate processes."""
+
+    def __init__(self, n_workers: int, extra_scheduler: list[str] = (), extra_worker: list[str] = (),
+                 host: str = "127.0.0.1", protocol: str = "tcp"):
+        port = free_port()
+        url_host = f"[{host}]" if ":" in host else host
+        self.address = f"{protocol}://{url_host}:{port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+        self.procs = [
+            subprocess.Popen(
+                [*dask_cli(), "scheduler", "--host", host, "--port", str(port), "--dashboard-address", ":0",
+                 "--protocol", protocol, *extra_scheduler],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        ]
+        self.procs.append(
+            subprocess.Popen(
+                [*dask_cli(), "worker", self.address, "--nworkers", str(n_workers), "--nthreads", "1",
+                 "--dashboard-address", ":0", "--host", host, *extra_worker],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def cli_cluster4():
+    cluster = CLICluster(4)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def wait_for_workers(client: Client, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    client.wait_for_workers(n, timeout=timeout)
+    while len(client.scheduler_info(n_workers=-1)["workers"]) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
