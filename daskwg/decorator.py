@@ -1,0 +1,789 @@
+"""``@register`` and the dispatch modes: how a group call is split over ranks and merged back.
+
+A method marked with :func:`register` is bound on every :class:`~daskwg.group.WorkerGroup`
+built from its class. Calling it on the group runs three steps, mirroring verl's
+``verl.single_controller.base.decorator``:
+
+1. **dispatch** (driver): ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)``
+   turns the call's arguments into per-rank arguments: every returned positional and
+   keyword value is a list with one entry per rank (length ``worker_group.world_size``).
+   The ``DP_COMPUTE_PROTO`` family also returns the padding count under
+   :data:`PADDING_SIZE_KEY` in ``kwargs`` (an ``int``, not a per-rank list): the group pops
+   it before sending and strips that many rows from the collected output.
+2. **execute**: the group runs the method on every rank (``Execute.ALL``) or on rank 0
+   only (``Execute.RANK_ZERO``).
+3. **collect** (driver): ``collect_fn(worker_group, outputs) -> Any`` merges the per-rank
+   outputs (``outputs[r]`` is rank ``r``'s result).
+
+Dispatch and collect functions may rely only on ``worker_group.world_size``,
+``worker_group._dispatch_info`` / ``_collect_info`` (dicts used as caches) and
+``worker_group._query_dispatch_info(mesh_name) -> list[int]`` /
+``_query_collect_info(mesh_name) -> list[bool]``.
+
+``DataProto``, ``DataProtoFuture`` and ``distributed`` are imported inside the functions
+that need them, so importing this module is cheap and free of import cycles.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from .errors import DispatchError
+
+__all__ = [
+    "PADDING_SIZE_KEY",
+    "Dispatch",
+    "Execute",
+    "RegisteredMethod",
+    "get_predefined_dispatch_fn",
+    "get_registered_method",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "register",
+    "register_dispatch_mode",
+    "update_dispatch_mode",
+]
+
+PADDING_SIZE_KEY = "_daskwg_padding_size"
+"""Key under which ``DP_COMPUTE_PROTO`` dispatch returns the number of padding rows it added."""
+
+# The one attribute ``register`` sets on a method; its value is a ``RegisteredMethod``.
+_REGISTERED_ATTR = "_daskwg_registered"
+
+_E = TypeVar("_E", bound="_ExtensibleEnum")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# --------------------------------------------------------------------------- enums
+
+
+class _ExtensibleEnumMeta(type):
+    """Lets an extensible enum class be iterated, indexed by name and tested with ``in``."""
+
+    def __iter__(cls) -> Iterator[Any]:
+        return iter(list(cls._members.values()))
+
+    def __len__(cls) -> int:
+        return len(cls._members)
+
+    def __contains__(cls, item: object) -> bool:
+        if isinstance(item, str):
+            return item in cls._members
+        return any(item is member for member in cls._members.values())
+
+    def __getitem__(cls, name: str) -> Any:
+        return cls._members[name]
+
+
+def _enum_member(enum_cls: type[_E], name: str) -> _E:
+    """Unpickle a member by name, creating it when this process has not registered it yet.
+
+    A mode registered at run time in the driver (``register_dispatch_mode``) reaches Dask
+    workers inside pickled methods; the workers never dispatch, so they only need a member
+    with the same name.
+    """
+    member = enum_cls.from_name(name)
+    return member if member is not None else enum_cls.register(name)
+
+
+class _ExtensibleEnum(metaclass=_ExtensibleEnumMeta):
+    """An enum whose members can be added at run time (verl's ``DynamicEnum``).
+
+    Members are singletons per process: they compare and hash by identity, and pickle by
+    name, so an unpickled member *is* the local member of that name.
+    """
+
+    __slots__ = ("name", "value")
+    _members: ClassVar[dict[str, Any]] = {}
+
+    name: str
+    value: int
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._members = {}
+
+    def __init__(self, name: str, value: int) -> None:
+        self.name = name
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_enum_member, (type(self), self.name))
+
+    @classmethod
+    def register(cls: type[_E], name: str) -> _E:
+        """Add a member called ``name.upper()`` and return it.
+
+        Raises:
+            TypeError: ``name`` is not a string.
+            ValueError: ``name`` is not a Python identifier, or the member already exists.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"{cls.__name__} member names are strings, got {type(name).__name__}")
+        key = name.upper()
+        if not key.isidentifier() or key.startswith("_"):
+            raise ValueError(
+                f"{cls.__name__} member name must be an identifier not starting with '_', got {name!r}"
+            )
+        if key in cls._members:
+            raise ValueError(f"{cls.__name__}.{key} already exists")
+        member = cls(key, len(cls._members))
+        cls._members[key] = member
+        setattr(cls, key, member)
+        return member
+
+    @classmethod
+    def from_name(cls: type[_E], name: str) -> _E | None:
+        """The member called ``name`` (case-insensitive), or ``None``."""
+        return cls._members.get(name.upper()) if isinstance(name, str) else None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The member names, in registration order."""
+        return list(cls._members)
+
+
+class Dispatch(_ExtensibleEnum):
+    """How a group call's arguments are split over ranks and its outputs merged.
+
+    Predefined members (verl's names and meaning):
+
+    - ``RANK_ZERO``: every rank gets the arguments as given; the result is rank 0's output.
+    - ``ONE_TO_ALL``: every rank gets the arguments as given; the result is the list of
+      per-rank outputs.
+    - ``ALL_TO_ALL``: every argument already holds one entry per rank (a list or tuple of
+      length ``world_size``); rank ``r`` gets entry ``r``; the result is the list of outputs.
+    - ``DP_COMPUTE``: like ``ALL_TO_ALL`` (data-parallel lists); the result is the list.
+    - ``DP_COMPUTE_PROTO``: ``DataProto`` / ``TensorDict`` / ``DataProtoFuture`` arguments are
+      padded to a multiple of ``world_size`` and split into ``world_size`` pieces; outputs are
+      concatenated (the group strips the padding).
+    - ``DP_COMPUTE_PROTO_WITH_FUNC``: the first argument is a callable sent to every rank;
+      the rest are split like ``DP_COMPUTE_PROTO`` but without padding.
+    - ``DP_COMPUTE_METRIC``: split like ``DP_COMPUTE_PROTO``; the result is the list of
+      per-rank outputs (nothing is unpadded).
+
+    Add members with :func:`register_dispatch_mode` (or ``Dispatch.register(name)`` plus
+    :func:`update_dispatch_mode`).
+    """
+
+    __slots__ = ()
+
+    RANK_ZERO: ClassVar[Dispatch]
+    ONE_TO_ALL: ClassVar[Dispatch]
+    ALL_TO_ALL: ClassVar[Dispatch]
+    DP_COMPUTE: ClassVar[Dispatch]
+    DP_COMPUTE_PROTO: ClassVar[Dispatch]
+    DP_COMPUTE_PROTO_WITH_FUNC: ClassVar[Dispatch]
+    DP_COMPUTE_METRIC: ClassVar[Dispatch]
+
+
+class Execute(_ExtensibleEnum):
+    """Which ranks run a group call: ``ALL`` ranks, or ``RANK_ZERO`` only (verl's ``Execute``)."""
+
+    __slots__ = ()
+
+    ALL: ClassVar[Execute]
+    RANK_ZERO: ClassVar[Execute]
+
+
+for _name in (
+    "RANK_ZERO",
+    "ONE_TO_ALL",
+    "ALL_TO_ALL",
+    "DP_COMPUTE",
+    "DP_COMPUTE_PROTO",
+    "DP_COMPUTE_PROTO_WITH_FUNC",
+    "DP_COMPUTE_METRIC",
+):
+    Dispatch.register(_name)
+for _name in ("ALL", "RANK_ZERO"):
+    Execute.register(_name)
+del _name
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _labelled(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(label, value)`` for every argument, labels as error messages show them."""
+    for i, value in enumerate(args):
+        yield f"positional argument {i}", value
+    for key, value in kwargs.items():
+        yield f"argument {key!r}", value
+
+
+def _check_per_rank(mode: str, worker_group: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    world_size = worker_group.world_size
+    for label, value in _labelled(args, kwargs):
+        if not isinstance(value, (list, tuple)):
+            raise DispatchError(
+                f"{mode} expects every argument to hold one entry per rank (a list or tuple of length "
+                f"world_size={world_size}); {label} has type {type(value).__name__}. Pass a list of "
+                f"{world_size} values, or register the method with Dispatch.ONE_TO_ALL to send the "
+                f"same value to every rank"
+            )
+        if len(value) != world_size:
+            raise DispatchError(
+                f"{mode} expects one entry per rank: {label} has length {len(value)}, the group has "
+                f"world_size={world_size}"
+            )
+
+
+def _future_type() -> type | None:
+    """``DataProtoFuture``, or ``None`` while ``daskwg.futures`` is not available."""
+    try:
+        from .futures import DataProtoFuture
+    except ModuleNotFoundError as exc:
+        if exc.name != "daskwg.futures":
+            raise
+        return None
+    return DataProtoFuture
+
+
+def _batch_types() -> tuple[type, ...]:
+    from tensordict import TensorDict
+
+    from .protocol import DataProto
+
+    future = _future_type()
+    return (DataProto, TensorDict) if future is None else (DataProto, TensorDict, future)
+
+
+def _check_batches(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    types = _batch_types()
+    for label, value in _labelled(args, kwargs):
+        if not isinstance(value, types):
+            raise DispatchError(
+                f"{mode} splits DataProto, DataProtoFuture or TensorDict arguments over the ranks; "
+                f"{label} has type {type(value).__name__}. Wrap it in a DataProto (e.g. in meta_info) or "
+                f"register the method with another dispatch mode"
+            )
+
+
+def _num_rows(value: Any) -> int | None:
+    """Rows of a DataProto or TensorDict; ``None`` for a DataProtoFuture (not known here)."""
+    from tensordict import TensorDict
+
+    from .protocol import DataProto
+
+    if isinstance(value, DataProto):
+        return len(value)
+    if isinstance(value, TensorDict):
+        return int(value.batch_size[0]) if value.batch_dims else 0
+    return None
+
+
+def _split_tensordict(td: Any, chunks: int) -> list[Any]:
+    """``chunks`` pieces along dim 0, sizes differing by at most one, each with its own storage.
+
+    Cloning matters: a view would pickle its whole parent storage and would alias the
+    caller's tensors.
+    """
+    rows = _num_rows(td) or 0
+    base, extra = divmod(rows, chunks)
+    sizes = [base + 1] * extra + [base] * (chunks - extra)
+    return [piece.clone() for piece in td.split(sizes, dim=0)]
+
+
+def _pad_tensordict(td: Any, pad_size: int) -> Any:
+    """A copy of ``td`` with ``pad_size`` rows appended, repeating rows from the start."""
+    import torch
+
+    if pad_size == 0:
+        return td
+    index = torch.arange(pad_size) % td.batch_size[0]
+    return torch.cat([td, td[index]], dim=0)
+
+
+def _split_batch(label: str, value: Any, chunks: int) -> list[Any]:
+    """Split one DataProto / TensorDict / DataProtoFuture into exactly ``chunks`` pieces."""
+    from tensordict import TensorDict
+
+    rows = _num_rows(value)
+    if rows is not None and rows < chunks:
+        raise DispatchError(f"{label} has {rows} rows, fewer than the {chunks} pieces it must be split into")
+    try:
+        pieces = _split_tensordict(value, chunks) if isinstance(value, TensorDict) else value.chunk(chunks)
+    except ValueError as exc:
+        raise DispatchError(f"cannot split {label} into {chunks} pieces: {exc}") from exc
+    pieces = list(pieces)
+    if len(pieces) != chunks:
+        raise DispatchError(f"{label} was split into {len(pieces)} pieces instead of {chunks}")
+    return pieces
+
+
+def _common_length(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    lengths = {label: n for label, value in _labelled(args, kwargs) if (n := _num_rows(value)) is not None}
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"{label}: {n}" for label, n in lengths.items())
+        raise DispatchError(f"{mode} needs all DataProto and TensorDict arguments to have the same length; got {shown}")
+    return next(iter(lengths.values()), None)
+
+
+def _concat_outputs(mode: str, outputs: list[Any]) -> Any:
+    """Concatenate per-rank DataProto / TensorDict outputs, or wrap Dask futures of them."""
+    import torch
+    from distributed import Future
+    from tensordict import TensorDict
+
+    from .protocol import DataProto
+
+    if not outputs:
+        raise ValueError(f"{mode} has no outputs to collect")
+    for kind, concat in (
+        (DataProto, DataProto.concat),
+        (TensorDict, functools.partial(torch.cat, dim=0)),
+        (Future, _concat_futures),
+    ):
+        if isinstance(outputs[0], kind):
+            if not all(isinstance(out, kind) for out in outputs):
+                break
+            return concat(list(outputs))
+    kinds = ", ".join(f"rank output {i}: {type(out).__name__}" for i, out in enumerate(outputs))
+    raise TypeError(
+        f"{mode} concatenates outputs that are all DataProto, all TensorDict or all Dask futures; got {kinds}"
+    )
+
+
+def _concat_futures(futures: list[Any]) -> Any:
+    from .futures import DataProtoFuture
+
+    return DataProtoFuture.concat(futures)
+
+
+# --------------------------------------------------------------------------- dispatch/collect
+
+
+def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+    """Every rank gets every argument as given (verl's ``dispatch_one_to_all``)."""
+    n = worker_group.world_size
+    return tuple([arg] * n for arg in args), {key: [value] * n for key, value in kwargs.items()}
+
+
+def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+    """Arguments already hold one entry per rank (verl's ``dispatch_all_to_all``).
+
+    Unlike verl, which passes anything through and lets ``execute_all`` guess whether to
+    split, the lengths are checked here.
+
+    Raises:
+        DispatchError: an argument is not a list/tuple of length ``world_size``.
+    """
+    _check_per_rank("ALL_TO_ALL", worker_group, args, kwargs)
+    return tuple(list(arg) for arg in args), {key: list(value) for key, value in kwargs.items()}
+
+
+def collect_all_to_all(worker_group: Any, outputs: list[Any]) -> list[Any]:
+    """The per-rank outputs, unchanged (verl's ``collect_all_to_all``)."""
+    return outputs
+
+
+def collect_rank_zero(worker_group: Any, outputs: list[Any]) -> Any:
+    """Rank 0's output (verl defines ``Dispatch.RANK_ZERO`` but never implemented it)."""
+    return outputs[0]
+
+
+def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+    """Data-parallel lists: rank ``r`` gets entry ``r`` of every argument (verl's ``dispatch_dp_compute``).
+
+    Raises:
+        DispatchError: an argument is not a list/tuple of length ``world_size`` (the message
+            names the argument, its length and ``world_size``).
+    """
+    _check_per_rank("DP_COMPUTE", worker_group, args, kwargs)
+    return tuple(list(arg) for arg in args), {key: list(value) for key, value in kwargs.items()}
+
+
+def collect_dp_compute(worker_group: Any, outputs: list[Any]) -> list[Any]:
+    """The list of per-rank outputs (verl's ``collect_dp_compute``)."""
+    return list(outputs)
+
+
+def dispatch_dp_compute_data_proto(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, Any]]:
+    """Pad and split batch arguments over the ranks (verl's ``dispatch_dp_compute_data_proto``).
+
+    Every argument must be a ``DataProto``, ``TensorDict`` or ``DataProtoFuture``. The
+    DataProto and TensorDict arguments, which must all have the same length ``L``, are padded
+    to ``L + pad`` rows (a multiple of ``world_size``, rows repeated from the start) and split
+    into ``world_size`` equal pieces. DataProtoFutures (length unknown in the driver) are
+    split with their own ``chunk`` and are not padded. ``kwargs[PADDING_SIZE_KEY] = pad``.
+
+    Unlike verl, padding is always on: verl pads only when ``DataProtoConfig.auto_padding``
+    (or the DataProto's own flag) is set and otherwise requires ``L % world_size == 0``. The
+    caller's DataProtos are never modified (verl pads them in place).
+
+    Raises:
+        DispatchError: an argument of another type (message names it and its type),
+            arguments of different lengths, or a batch with no rows.
+    """
+    from .protocol import DataProto, pad_dataproto_to_divisor
+
+    mode = "DP_COMPUTE_PROTO"
+    _check_batches(mode, args, kwargs)
+    n = worker_group.world_size
+    length = _common_length(mode, args, kwargs)
+    if length == 0:
+        raise DispatchError(f"{mode} got batches with 0 rows; there is nothing to split over {n} ranks")
+    pad_size = (-length) % n if length else 0
+
+    def pad_and_split(label: str, value: Any) -> list[Any]:
+        if isinstance(value, DataProto):
+            value, _ = pad_dataproto_to_divisor(value, n)
+        elif _num_rows(value) is not None:
+            value = _pad_tensordict(value, pad_size)
+        return _split_batch(label, value, n)
+
+    split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))
+    split_kwargs: dict[str, Any] = {key: pad_and_split(f"argument {key!r}", value) for key, value in kwargs.items()}
+    split_kwargs[PADDING_SIZE_KEY] = pad_size
+    return split_args, split_kwargs
+
+
+def dispatch_dp_compute_metric(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, Any]]:
+    """Pad and split like ``DP_COMPUTE_PROTO``, without asking the group to unpad.
+
+    The outputs of ``DP_COMPUTE_METRIC`` are one value per rank, not rows, so there is
+    nothing to strip. verl reuses ``dispatch_dp_compute_data_proto`` here and then slices
+    ``pad_size`` entries off the per-rank list, dropping whole ranks' metrics.
+
+    Raises:
+        DispatchError: as :func:`dispatch_dp_compute_data_proto`.
+    """
+    split_args, split_kwargs = dispatch_dp_compute_data_proto(worker_group, *args, **kwargs)
+    del split_kwargs[PADDING_SIZE_KEY]
+    return split_args, split_kwargs
+
+
+def dispatch_dp_compute_data_proto_with_func(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+    """Send ``args[0]`` (a callable) to every rank and split the rest without padding.
+
+    Mirrors verl's ``dispatch_dp_compute_data_proto_with_func``; verl requires a plain
+    function and lengths divisible by ``world_size``, here any callable is accepted and
+    pieces may differ in size by one row.
+
+    Raises:
+        DispatchError: no first argument, or it is not callable; another argument is not a
+            DataProto/TensorDict/DataProtoFuture or has fewer rows than ``world_size``.
+    """
+    mode = "DP_COMPUTE_PROTO_WITH_FUNC"
+    if not args or not callable(args[0]):
+        got = type(args[0]).__name__ if args else "nothing"
+        raise DispatchError(f"{mode} expects a callable as first positional argument, got {got}")
+    func, rest = args[0], args[1:]
+    _check_batches(mode, rest, kwargs)
+    n = worker_group.world_size
+    split_args = tuple(_split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1))
+    split_kwargs = {key: _split_batch(f"argument {key!r}", value, n) for key, value in kwargs.items()}
+    return ([func] * n, *split_args), split_kwargs
+
+
+def collect_dp_compute_data_proto(worker_group: Any, outputs: list[Any]) -> Any:
+    """Concatenate per-rank outputs (verl's ``collect_dp_compute_data_proto``).
+
+    DataProtos with ``DataProto.concat``, TensorDicts with ``torch.cat`` along dim 0, Dask
+    ``distributed.Future`` objects (``blocking=False``) into one ``DataProtoFuture``.
+
+    Raises:
+        TypeError: the outputs are not all of one of those kinds.
+    """
+    return _concat_outputs("DP_COMPUTE_PROTO", outputs)
+
+
+def _lookup_dispatch_info(mesh_name: str, worker_group: Any) -> list[int]:
+    cached = worker_group._dispatch_info.get(mesh_name)
+    if cached is not None:
+        return cached
+    mapping = [int(dp_rank) for dp_rank in worker_group._query_dispatch_info(mesh_name)]
+    n = worker_group.world_size
+    if len(mapping) != n:
+        raise DispatchError(f"mesh {mesh_name!r}: got dp ranks for {len(mapping)} ranks, the group has {n}")
+    if not mapping or min(mapping) < 0 or set(mapping) != set(range(max(mapping) + 1)):
+        raise DispatchError(
+            f"mesh {mesh_name!r}: dp ranks per rank {mapping} must cover 0..dp_size-1 without gaps"
+        )
+    worker_group._dispatch_info[mesh_name] = mapping
+    return mapping
+
+
+def _lookup_collect_info(mesh_name: str, worker_group: Any) -> list[bool]:
+    cached = worker_group._collect_info.get(mesh_name)
+    if cached is not None:
+        return cached
+    mask = [bool(flag) for flag in worker_group._query_collect_info(mesh_name)]
+    n = worker_group.world_size
+    if len(mask) != n:
+        raise ValueError(f"mesh {mesh_name!r}: got collect flags for {len(mask)} ranks, the group has {n}")
+    if not any(mask):
+        raise ValueError(f"mesh {mesh_name!r}: no rank is marked is_collect=True, nothing would be returned")
+    worker_group._collect_info[mesh_name] = mask
+    return mask
+
+
+def dispatch_nd_compute_dataproto(
+    mesh_name: str, worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+    """Split batches into ``dp_size`` pieces and give each rank the piece of its dp rank.
+
+    Mirrors verl's ``dispatch_lazy_compute_data_proto``: on first use, asks the ranks for
+    their dp rank in ``mesh_name`` (``worker_group._query_dispatch_info``) and caches the
+    answer in ``worker_group._dispatch_info[mesh_name]``. No padding (as verl).
+
+    Raises:
+        DispatchError: a non-batch argument, a batch with fewer rows than ``dp_size``, or dp
+            ranks that do not cover ``0..dp_size-1``.
+    """
+    mode = f"mesh dispatch {mesh_name!r}"
+    _check_batches(mode, args, kwargs)
+    mapping = _lookup_dispatch_info(mesh_name, worker_group)
+    dp_size = max(mapping) + 1
+
+    def per_rank(label: str, value: Any) -> list[Any]:
+        pieces = _split_batch(label, value, dp_size)
+        return [pieces[dp_rank] for dp_rank in mapping]
+
+    split_args = tuple(per_rank(f"positional argument {i}", arg) for i, arg in enumerate(args))
+    split_kwargs = {key: per_rank(f"argument {key!r}", value) for key, value in kwargs.items()}
+    return split_args, split_kwargs
+
+
+def collect_nd_compute_dataproto(mesh_name: str, worker_group: Any, outputs: list[Any]) -> Any:
+    """Concatenate, in rank order, the outputs of the ranks marked ``is_collect`` in ``mesh_name``.
+
+    Mirrors verl's ``collect_lazy_compute_data_proto``; the flags are queried once with
+    ``worker_group._query_collect_info`` and cached in ``worker_group._collect_info``.
+
+    Raises:
+        ValueError: ``outputs`` does not have ``world_size`` entries, or no rank collects.
+        TypeError: the collected outputs are not all DataProto / TensorDict / Dask futures.
+    """
+    mask = _lookup_collect_info(mesh_name, worker_group)
+    if len(outputs) != len(mask):
+        raise ValueError(f"mesh {mesh_name!r}: expected {len(mask)} outputs, got {len(outputs)}")
+    return _concat_outputs(f"mesh collect {mesh_name!r}", [out for out, keep in zip(outputs, mask) if keep])
+
+
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable[..., Any]]:
+    """A dispatch mode for a device mesh registered on the workers (verl's function of that name).
+
+    Use it as ``@register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("train"))`` on
+    a Worker that calls ``self._register_dispatch_collect_info("train", dp_rank, is_collect)``
+    in ``__init__``. The functions are ``functools.partial`` objects, so they pickle.
+
+    Returns:
+        ``{"dispatch_fn": ..., "collect_fn": ...}``.
+    """
+    if not isinstance(mesh_name, str):
+        raise TypeError(f"mesh_name must be a str, got {type(mesh_name).__name__}")
+    return {
+        "dispatch_fn": functools.partial(dispatch_nd_compute_dataproto, mesh_name),
+        "collect_fn": functools.partial(collect_nd_compute_dataproto, mesh_name),
+    }
+
+
+_DISPATCH_FNS: dict[Dispatch, dict[str, Callable[..., Any]]] = {
+    Dispatch.RANK_ZERO: {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_rank_zero},
+    Dispatch.ONE_TO_ALL: {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_all_to_all},
+    Dispatch.ALL_TO_ALL: {"dispatch_fn": dispatch_all_to_all, "collect_fn": collect_all_to_all},
+    Dispatch.DP_COMPUTE: {"dispatch_fn": dispatch_dp_compute, "collect_fn": collect_dp_compute},
+    Dispatch.DP_COMPUTE_PROTO: {
+        "dispatch_fn": dispatch_dp_compute_data_proto,
+        "collect_fn": collect_dp_compute_data_proto,
+    },
+    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: {
+        "dispatch_fn": dispatch_dp_compute_data_proto_with_func,
+        "collect_fn": collect_dp_compute_data_proto,
+    },
+    Dispatch.DP_COMPUTE_METRIC: {"dispatch_fn": dispatch_dp_compute_metric, "collect_fn": collect_dp_compute},
+}
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _check_fns(dispatch_fn: Any, collect_fn: Any) -> None:
+    for key, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
+        if not callable(fn):
+            raise TypeError(f"{key} must be callable, got {type(fn).__name__}")
+
+
+def _check_dispatch_mode(dispatch_mode: Any) -> None:
+    if isinstance(dispatch_mode, Dispatch):
+        return
+    if isinstance(dispatch_mode, Mapping):
+        missing = [key for key in ("dispatch_fn", "collect_fn") if key not in dispatch_mode]
+        if missing:
+            raise ValueError(f"a dict dispatch_mode needs the keys 'dispatch_fn' and 'collect_fn'; missing {missing}")
+        _check_fns(dispatch_mode["dispatch_fn"], dispatch_mode["collect_fn"])
+        return
+    raise TypeError(
+        f"dispatch_mode must be a Dispatch member or a dict with 'dispatch_fn' and 'collect_fn', "
+        f"got {type(dispatch_mode).__name__}"
+    )
+
+
+def get_predefined_dispatch_fn(dispatch_mode: Dispatch | Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The ``{"dispatch_fn", "collect_fn"}`` of a mode (verl's function of that name).
+
+    For a ``Dispatch`` member, a copy of its registry entry; for a dict mode, the dict itself.
+
+    Raises:
+        TypeError: ``dispatch_mode`` is neither a Dispatch member nor a dict (or a function
+            in the dict is not callable).
+        ValueError: a Dispatch member with no functions registered, or a dict missing a key.
+    """
+    _check_dispatch_mode(dispatch_mode)
+    if isinstance(dispatch_mode, Dispatch):
+        try:
+            return dict(_DISPATCH_FNS[dispatch_mode])
+        except KeyError:
+            raise ValueError(
+                f"no dispatch/collect functions are registered for {dispatch_mode!r}; "
+                f"call update_dispatch_mode({dispatch_mode!r}, dispatch_fn, collect_fn)"
+            ) from None
+    return dispatch_mode  # type: ignore[return-value]
+
+
+def register_dispatch_mode(name: str, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]) -> Dispatch:
+    """Add a dispatch mode ``Dispatch.<NAME>`` and return it (verl's function of that name).
+
+    ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)`` must return one entry
+    per rank for every argument; ``collect_fn(worker_group, outputs) -> Any``.
+
+    Raises:
+        TypeError: a function is not callable.
+        ValueError: a mode of that name already has functions, or the name is not an identifier.
+    """
+    _check_fns(dispatch_fn, collect_fn)
+    mode = Dispatch.from_name(name) if isinstance(name, str) else None
+    if mode is None:
+        mode = Dispatch.register(name)
+    elif mode in _DISPATCH_FNS:
+        raise ValueError(f"dispatch mode {mode!r} already exists; use update_dispatch_mode to replace it")
+    _DISPATCH_FNS[mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+    return mode
+
+
+def update_dispatch_mode(dispatch_mode: Dispatch, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]) -> None:
+    """Replace the functions of an existing dispatch mode (verl's function of that name).
+
+    Raises:
+        TypeError: ``dispatch_mode`` is not a Dispatch member, or a function is not callable.
+        ValueError: the mode has no functions registered yet (use :func:`register_dispatch_mode`).
+    """
+    if not isinstance(dispatch_mode, Dispatch):
+        raise TypeError(f"dispatch_mode must be a Dispatch member, got {type(dispatch_mode).__name__}")
+    _check_fns(dispatch_fn, collect_fn)
+    if dispatch_mode not in _DISPATCH_FNS:
+        raise ValueError(f"dispatch mode {dispatch_mode!r} is not registered; use register_dispatch_mode")
+    _DISPATCH_FNS[dispatch_mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+
+
+# --------------------------------------------------------------------------- @register
+
+
+@dataclass(frozen=True)
+class RegisteredMethod:
+    """What :func:`register` recorded about a method; read it with :func:`get_registered_method`."""
+
+    dispatch_mode: Dispatch | Mapping[str, Callable[..., Any]]
+    execute_mode: Execute
+    blocking: bool
+    materialize_futures: bool
+
+
+def get_registered_method(func: Any) -> RegisteredMethod | None:
+    """The :class:`RegisteredMethod` of a function or bound method marked by :func:`register`, else ``None``."""
+    info = getattr(func, _REGISTERED_ATTR, None)
+    return info if isinstance(info, RegisteredMethod) else None
+
+
+def _materialize_futures(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """New args/kwargs with every top-level DataProtoFuture replaced by its ``.get()``."""
+    DataProtoFuture = _future_type()
+    if DataProtoFuture is None:
+        return args, kwargs
+    if not any(isinstance(v, DataProtoFuture) for v in (*args, *kwargs.values())):
+        return args, kwargs
+    new_args = tuple(arg.get() if isinstance(arg, DataProtoFuture) else arg for arg in args)
+    new_kwargs = {key: v.get() if isinstance(v, DataProtoFuture) else v for key, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def register(
+    dispatch_mode: Dispatch | Mapping[str, Callable[..., Any]] = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+) -> Callable[[_F], _F]:
+    """Mark a Worker method to be bound on worker groups (verl's ``register``).
+
+    Args:
+        dispatch_mode: a :class:`Dispatch` member, or ``{"dispatch_fn": f, "collect_fn": g}``
+            (see :func:`make_nd_compute_dataproto_dispatch_fn`).
+        execute_mode: :class:`Execute` ``ALL`` or ``RANK_ZERO``.
+        blocking: ``True``: the group call returns the collected result; ``False``: it returns
+            futures (a ``DataProtoFuture`` for the ``DP_COMPUTE_PROTO`` family).
+        materialize_futures: when the method runs, ``DataProtoFuture`` arguments are replaced
+            by the data they stand for (``.get()``).
+
+    The decorated method stays an ordinary method: calling it on an instance runs it in
+    this process (after materialising futures); ``async def`` methods stay coroutine
+    functions. The mark is one attribute holding a :class:`RegisteredMethod`.
+
+    Raises:
+        TypeError: an argument has the wrong type (including ``@register`` written without
+            parentheses), or a dict mode holds a non-callable.
+        ValueError: a dict mode lacks ``dispatch_fn`` or ``collect_fn``; decorating a function
+            that is already registered.
+    """
+    if callable(dispatch_mode) and not isinstance(dispatch_mode, (Dispatch, Mapping)):
+        raise TypeError("register takes arguments: write @register() or @register(dispatch_mode=...)")
+    _check_dispatch_mode(dispatch_mode)
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"execute_mode must be an Execute member, got {type(execute_mode).__name__}")
+    for label, flag in (("blocking", blocking), ("materialize_futures", materialize_futures)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{label} must be a bool, got {type(flag).__name__}")
+    info = RegisteredMethod(
+        dispatch_mode=dispatch_mode if isinstance(dispatch_mode, Dispatch) else dict(dispatch_mode),
+        execute_mode=execute_mode,
+        blocking=blocking,
+        materialize_futures=materialize_futures,
+    )
+
+    def decorator(func: _F) -> _F:
+        if not callable(func):
+            raise TypeError(f"register decorates functions, got {type(func).__name__}")
+        if get_registered_method(func) is not None:
+            raise ValueError(f"{getattr(func, '__qualname__', func)!r} is already registered")
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if materialize_futures:
+                    args, kwargs = _materialize_futures(args, kwargs)
+                return await func(*args, **kwargs)
+
+        else:
+
+            @functools.wraps(func)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if materialize_futures:
+                    args, kwargs = _materialize_futures(args, kwargs)
+                return func(*args, **kwargs)
+
+        setattr(wrapper, _REGISTERED_ATTR, info)
+        return wrapper  # type: ignore[return-value]
+
+    return decorator
