@@ -531,9 +531,12 @@ class WorkerGroup:
             if isinstance(result, DataProtoFuture):
                 result = result.unpad(pad_size)
             else:
-                from .protocol import unpad_dataproto
+                from .protocol import DataProto, unpad_dataproto
 
-                result = unpad_dataproto(result, pad_size)
+                if isinstance(result, DataProto):
+                    result = unpad_dataproto(result, pad_size)
+                else:  # a TensorDict
+                    result = result[: len(result) - pad_size]
         return result
 
     def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
