@@ -1,0 +1,41 @@
+"""local_cluster(): LocalCUDACluster with GPUs and dask-cuda, else a process LocalCluster."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from distributed import Client, LocalCluster
+from workers import AddWorker
+
+import daskwg
+from daskwg.cluster import gpu_count
+
+needs_gpu = pytest.mark.skipif(
+    gpu_count() == 0 or importlib.util.find_spec("dask_cuda") is None,
+    reason="needs an NVIDIA GPU and dask-cuda (pip install 'daskwg[cuda]')",
+)
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has GPUs: local_cluster() picks LocalCUDACluster")
+def test_local_cluster_without_gpus_is_one_process_per_worker_with_one_thread():
+    with daskwg.local_cluster(n_workers=2, dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert isinstance(cluster, LocalCluster)
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        assert [w["nthreads"] for w in workers] == [1, 1]
+        pids = client.run(lambda: __import__("os").getpid())
+        assert len(set(pids.values())) == 2
+        with daskwg.WorkerGroup(client, AddWorker, world_size=2) as wg:
+            assert wg.foo(x=1, y=2) == [5, 5]
+
+
+@needs_gpu
+def test_local_cluster_with_gpus_is_a_local_cuda_cluster_with_ranks_per_gpu():
+    from dask_cuda import LocalCUDACluster
+
+    n = gpu_count()
+    with daskwg.local_cluster(dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert isinstance(cluster, LocalCUDACluster)
+        with daskwg.WorkerGroup(client, AddWorker, world_size=n) as wg:
+            devices = wg.execute_all_sync("get_cuda_visible_devices")
+    assert [d.split(",")[0] for d in devices] == [str(i) for i in range(n)]
