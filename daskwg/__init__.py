@@ -8,6 +8,7 @@ the method runs on every rank (execute) and the results are merged (collect).
 
 from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
 from .cluster import local_cluster
+from .colocate import create_colocated_worker_cls
 from .decorator import Dispatch, Execute, make_nd_compute_dataproto_dispatch_fn, register, register_dispatch_mode, update_dispatch_mode
 from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError, WorldSizeError
 from .futures import DataProtoFuture
@@ -37,6 +38,7 @@ __all__ = [
     "WorkerGroupError",
     "WorkerLostError",
     "WorldSizeError",
+    "create_colocated_worker_cls",
     "local_cluster",
     "make_nd_compute_dataproto_dispatch_fn",
     "pad_dataproto_to_divisor",

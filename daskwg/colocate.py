@@ -1,0 +1,212 @@
+"""Colocation: several roles (actor, critic, ...) in one Worker per rank.
+
+:func:`create_colocated_worker_cls` gives the :class:`ClassWithInitArgs` of a
+:class:`ColocatedWorker`, which builds one instance of every role inside its own
+``__init__`` (so every role sees the rank's environment) and keeps them in
+``fused_worker_dict``. A group built from it hosts all roles in one object per rank;
+``WorkerGroup.spawn(roles)`` gives one role group per role and
+``WorkerGroup.fuse(roles)`` sets them as attributes (``wg.actor.add(...)``).
+
+A role group shares the colocated group's ranks, connection and failure state. It
+binds the role class's registered methods under their own names and sends each call
+as ``"<role>_<method>"``, the name under which the colocated instance answers for that
+role's method (verl's ``{prefix}_{method}``). So a call on a role group takes the same
+path as any group call: dispatch (with the role's dispatch mode and the role's mesh
+info) → send → host → collect.
+
+Mirrors verl's ``create_colocated_worker_cls`` / ``create_colocated_worker_raw_cls``
+and ``RayWorkerGroup.spawn`` / ``fuse``, without classes generated at run time: one
+plain class resolves ``"<role>_<method>"`` by looking the role up in its dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .group import ClassWithInitArgs, WorkerGroup
+from .worker import Worker
+
+__all__ = ["ColocatedWorker", "create_colocated_worker_cls"]
+
+
+class ColocatedWorker(Worker):
+    """One rank that hosts several roles (verl's ``WorkerDict`` / ``FusedWorker``).
+
+    Args:
+        roles: role name → :class:`ClassWithInitArgs` (or a class). Every role is
+            instantiated here, in order, after ``Worker.__init__`` read the rank's
+            environment, so each role instance sees the same ``RANK``/``WORLD_SIZE``/...
+
+    Attributes:
+        fused_worker_dict: role name → role instance. Role instances that are
+            :class:`Worker` objects share this dict, so a role reaches another with
+            ``self.get_fused_worker_by_name("critic")`` (as in verl).
+
+    ``instance.<role>`` is the role instance and ``instance.<role>_<method>`` its method
+    (the name role groups send). Subclass it to add methods that combine roles
+    (verl's fused-worker pattern)::
+
+        class Hybrid(ColocatedWorker):
+            def __init__(self):
+                super().__init__({"actor": ClassWithInitArgs(Actor), "critic": ClassWithInitArgs(Critic, 10)})
+
+            @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+            def step(self, x):
+                return self.critic.sub(self.actor.add(x))
+
+    Raises:
+        ValueError: no roles, or a role name that is not an identifier, starts with
+            ``_`` or clashes with an attribute of the class.
+        TypeError: a role that is neither a class nor a ``ClassWithInitArgs``.
+    """
+
+    def __init__(self, roles: Mapping[str, type | ClassWithInitArgs]):
+        super().__init__()
+        roles = _check_roles(roles, type(self))
+        self._role_classes = {role: cwi.cls for role, cwi in roles.items()}
+        for role, cls_with_init in roles.items():
+            self.fused_worker_dict[role] = cls_with_init()
+        for instance in self.fused_worker_dict.values():
+            if isinstance(instance, Worker):
+                instance.fused_worker_dict = self.fused_worker_dict
+
+    def role_classes(self) -> dict[str, type]:
+        """Role name → the role's class, in the order the roles were given.
+
+        The driver asks rank 0 for this when it spawns role groups, so a group
+        reattached with ``WorkerGroup.attach`` can spawn them too.
+        """
+        return dict(self._state("_role_classes"))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names that are not ordinary attributes.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        roles = self.__dict__.get("fused_worker_dict")
+        if not roles:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        if name in roles:
+            return roles[name]
+        # Longest role name first, so "actor_rollout_x" means role "actor_rollout".
+        for role in sorted(roles, key=len, reverse=True):
+            prefix = f"{role}_"
+            if name.startswith(prefix) and hasattr(roles[role], name[len(prefix) :]):
+                return getattr(roles[role], name[len(prefix) :])
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}; its roles are {sorted(roles)} "
+            "and role methods are reached as '<role>_<method>'"
+        )
+
+
+def _check_roles(roles: Any, colocated_cls: type) -> dict[str, ClassWithInitArgs]:
+    if not isinstance(roles, Mapping):
+        raise TypeError(f"roles must be a dict of role name to class, got {type(roles).__name__}")
+    if not roles:
+        raise ValueError("a colocated worker needs at least one role")
+    out = {}
+    for role, value in roles.items():
+        if not isinstance(role, str) or not role.isidentifier() or role.startswith("_"):
+            raise ValueError(f"role names must be identifiers not starting with '_', got {role!r}")
+        if hasattr(colocated_cls, role):
+            raise ValueError(
+                f"role name {role!r} clashes with the attribute {colocated_cls.__name__}.{role}; rename the role"
+            )
+        if isinstance(value, ClassWithInitArgs):
+            out[role] = value
+        elif isinstance(value, type):
+            out[role] = ClassWithInitArgs(value)
+        else:
+            raise TypeError(f"role {role!r} must be a class or a ClassWithInitArgs, got {type(value).__name__}")
+    return out
+
+
+def create_colocated_worker_cls(class_dict: Mapping[str, type | ClassWithInitArgs]) -> ClassWithInitArgs:
+    """The class of a group whose every rank hosts all roles of ``class_dict``.
+
+    Args:
+        class_dict: role name → role class or :class:`ClassWithInitArgs` (its init
+            arguments are used for that role on every rank).
+
+    Returns:
+        ``ClassWithInitArgs(ColocatedWorker, roles)``: pass it to :class:`WorkerGroup`,
+        then ``wg.spawn(class_dict.keys())`` or ``wg.fuse(class_dict.keys())``.
+
+    Raises:
+        ValueError, TypeError: as :class:`ColocatedWorker`, checked here in the driver.
+
+    Mirrors verl's ``create_colocated_worker_cls`` (role methods are reached as
+    ``"<role>_<method>"`` on each rank, as verl's ``{prefix}_{method}``).
+    """
+    roles = _check_roles(class_dict, ColocatedWorker)
+    return ClassWithInitArgs(ColocatedWorker, roles)
+
+
+class _RoleGroup(WorkerGroup):
+    """One role of a colocated group: the role's registered methods over the same ranks.
+
+    Built by :meth:`WorkerGroup.spawn`. It owns nothing: ranks, connection and failure
+    state are the colocated group's (``parent``). Only its bound methods and its mesh
+    caches (``_dispatch_info``/``_collect_info``, filled from the role's own mesh
+    registration) are its own.
+    """
+
+    def __init__(self, parent: WorkerGroup, role: str, role_cls: type):
+        # WorkerGroup.__init__ is not called: the ranks exist already.
+        self._parent = parent
+        self._role = role
+        self._cls = role_cls
+        self._dispatch_info = {}
+        self._collect_info = {}
+        self._methods = self._bind_registered_methods()
+
+    def __getattr__(self, item: str) -> Any:
+        # Everything not set above (client, slots, name, failure state, ...) is the
+        # parent's, read live, so the role group never holds a stale copy.
+        if item.startswith("_") and not item.startswith("__") and item not in ("_parent", "_methods", "_cls"):
+            parent = self.__dict__.get("_parent")
+            if parent is not None:
+                return getattr(parent, item)
+        return super().__getattr__(item)
+
+    def __repr__(self) -> str:
+        return f"<role group {self._role!r} of {self._parent!r}>"
+
+    def _check_usable(self, method_name: str) -> None:
+        self._parent._check_usable(f"{self._role}_{method_name}")
+
+    def _settle(self) -> None:
+        self._parent._settle()
+
+    def _gather_any(self, futures: list) -> list:
+        return self._parent._gather_any(futures)
+
+    def _send(self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any) -> list:
+        if check:
+            self._check_usable(method_name)
+            if method_name not in self._methods and not hasattr(self._cls, method_name):
+                raise AttributeError(
+                    f"role {self._role!r} ({self._cls.__name__}) has no method {method_name!r}; "
+                    f"registered methods: {sorted(self._methods)}"
+                )
+        return self._parent._send(f"{self._role}_{method_name}", ranks, payloads, check=False, **kwargs)
+
+    def shutdown(self) -> None:
+        """Does nothing: the ranks belong to the colocated group; shut that one down."""
+
+
+def spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
+    """``WorkerGroup.spawn``: one :class:`_RoleGroup` per requested role, in the order given."""
+    if not (isinstance(group._cls, type) and issubclass(group._cls, ColocatedWorker)):
+        raise TypeError(
+            f"spawn needs a group built from create_colocated_worker_cls (a ColocatedWorker); "
+            f"group {group.name!r} runs {group._cls.__name__}"
+        )
+    if isinstance(prefix_set, str):
+        raise TypeError("prefix_set must be a collection of role names, not a string")
+    wanted = list(prefix_set)
+    role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
+    unknown = [role for role in wanted if role not in role_classes]
+    if unknown:
+        raise ValueError(f"group {group.name!r} has no role(s) {unknown}; its roles are {list(role_classes)}")
+    return {role: _RoleGroup(group, role, role_classes[role]) for role in wanted}
