@@ -326,6 +326,67 @@ def _common_length(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     return next(iter(lengths.values()), None)
 
 
+class RankOutputs(list):
+    """The per-rank results of one group call, handed to its collect function.
+
+    The group gives up its references to them, so the built-in collect functions may
+    drop each part as soon as it has been merged (see :func:`_concat_releasing`).
+    """
+
+
+def _concat_releasing(parts: list[Any]) -> Any:
+    """``DataProto.concat`` of per-rank outputs that frees each part once it is copied.
+
+    ``torch.cat`` needs every part and the result in memory together: 2x the batch on
+    top of whatever the caller holds. Copying part by part into the result and dropping
+    each part right after (``parts`` is emptied) keeps one part and the result instead.
+    Validation, ``meta_info`` merging and the non-tensor rows come from
+    ``DataProto.concat`` itself, run on stand-ins whose tensors are on the ``meta``
+    device (no memory). Parts that are not flat TensorDicts of plain CPU tensors take
+    the ordinary path.
+    """
+    import torch
+    from tensordict import TensorDict
+
+    from .protocol import DataProto
+
+    def plain(part: Any) -> bool:
+        td = part.batch
+        return (
+            type(td) is TensorDict
+            and td.device in (None, torch.device("cpu"))
+            and all(
+                type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+                for t in td.values()
+            )
+        )
+
+    if len(parts) < 2 or not all(p.batch is not None and plain(p) for p in parts):
+        return DataProto.concat(list(parts))
+    shells = [
+        type(p)(
+            batch=TensorDict({k: t.to("meta") for k, t in p.batch.items()}, batch_size=p.batch.batch_size),
+            non_tensor_batch=p.non_tensor_batch,
+            meta_info=p.meta_info,
+        )
+        for p in parts
+    ]
+    merged = DataProto.concat(shells)
+    del shells
+    out = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in merged.batch.items()}
+    device = parts[0].batch.device
+    start = 0
+    for i in range(len(parts)):
+        part, parts[i] = parts[i], None
+        rows = part.batch.batch_size[0]
+        for k, t in part.batch.items():
+            out[k][start : start + rows].copy_(t)
+        start += rows
+        part = t = None  # the part (and its receive buffer) is freed here
+    batch = TensorDict(out, batch_size=merged.batch.batch_size, device=device)
+    return type(merged)(batch=batch, non_tensor_batch=merged.non_tensor_batch, meta_info=merged.meta_info)
+
+
 def _concat_outputs(mode: str, outputs: list[Any]) -> Any:
     """Concatenate per-rank DataProto / TensorDict outputs, or wrap Dask futures of them."""
     import torch
@@ -344,6 +405,8 @@ def _concat_outputs(mode: str, outputs: list[Any]) -> Any:
         if isinstance(outputs[0], kind):
             if not all(isinstance(out, kind) for out in outputs):
                 break
+            if kind is DataProto and isinstance(outputs, RankOutputs):
+                return _concat_releasing(outputs)
             return concat(list(outputs))
     kinds = ", ".join(f"rank output {i}: {type(out).__name__}" for i, out in enumerate(outputs))
     raise TypeError(
@@ -380,8 +443,12 @@ def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[t
 
 
 def collect_all_to_all(worker_group: Any, outputs: list[Any]) -> list[Any]:
-    """The per-rank outputs, unchanged (verl's ``collect_all_to_all``)."""
-    return outputs
+    """The per-rank outputs as a plain list (verl's ``collect_all_to_all``).
+
+    A plain ``list``, not the group's ``RankOutputs``: ``client.gather`` only looks
+    inside plain lists for the futures of a ``blocking=False`` call.
+    """
+    return list(outputs)
 
 
 def collect_rank_zero(worker_group: Any, outputs: list[Any]) -> Any:

@@ -57,9 +57,9 @@ def materialize(
     """
     out = collect_fn(values)
     if pad_size:
-        from .protocol import unpad_dataproto
+        from .protocol import DataProto, unpad_dataproto
 
-        out = unpad_dataproto(out, pad_size)
+        out = unpad_dataproto(out, pad_size) if isinstance(out, DataProto) else out[: len(out) - pad_size]
     if dispatch_fn is not None:
         out = dispatch_fn(out)
     return out

@@ -34,20 +34,27 @@ import traceback
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 import dask.config
-from distributed import Client, Future
+from distributed import Client, Future, fire_and_forget
 from distributed import wait as dask_wait
+from distributed.client import FuturesCancelledError
 from distributed.comm.core import CommClosedError
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import to_serialize
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from . import serialization  # noqa: F401  (installs the tensor serializer in the driver)
-from .decorator import PADDING_SIZE_KEY, Execute, get_predefined_dispatch_fn, get_registered_method
+from .decorator import (
+    PADDING_SIZE_KEY,
+    Execute,
+    RankOutputs,
+    get_predefined_dispatch_fn,
+    get_registered_method,
+)
 from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
 from .futures import DataProtoFuture
 from .plugin import PLUGIN_NAME, RANK_ENV_KEYS, Call, HostPlugin, LazyArg, run_call
@@ -104,10 +111,18 @@ class _Driver:
         self.client = client
         self.session = client.id
         self.lock = threading.Lock()
+        # Sequence numbers, lost marks and busy ranks are keyed by the worker process's
+        # id (``WorkerSlot.server_id``), not its address: a Nanny restarts a worker under
+        # the same name and, with a fixed port, the same address, and its fresh plugin
+        # counts from 0 again.
         self.next_seq: dict[str, int] = defaultdict(int)
         self.groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
         self.watched: set[str] = set()
+        self.server_ids: dict[str, set[str]] = defaultdict(set)
         self.lost: dict[str, str] = {}
+        self.paused: dict[str, float] = {}
+        self.stuck: dict[str, tuple[str, str, Any]] = {}
+        self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
         self.plugins_ready = False
         self.call_numbers = itertools.count()
 
@@ -133,27 +148,72 @@ class _Driver:
             )
         self.plugins_ready = True
 
-    def take_seqs(self, addresses: Sequence[str]) -> list[int]:
+    def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
         with self.lock:
             seqs = []
-            for addr in addresses:
-                seqs.append(self.next_seq[addr])
-                self.next_seq[addr] += 1
+            for sid in server_ids:
+                seqs.append(self.next_seq[sid])
+                self.next_seq[sid] += 1
             return seqs
 
-    def watch(self, addresses: Sequence[str]) -> None:
-        for addr in addresses:
-            if addr not in self.watched:
-                self.watched.add(addr)
-                self.client.subscribe_topic(addr, functools.partial(self._on_worker_event, addr))
+    def watch(self, slots: Sequence[Any]) -> None:
+        for slot in slots:
+            self.server_ids[slot.address].add(slot.server_id)
+            if slot.address not in self.watched:
+                self.watched.add(slot.address)
+                self.client.subscribe_topic(slot.address, functools.partial(self._on_worker_event, slot.address))
 
     def _on_worker_event(self, address: str, event: tuple) -> None:
         _, msg = event
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+        if not isinstance(msg, dict):
+            return
+        if msg.get("action") == "remove-worker":
             reason = msg.get("stimulus_id", "")
-            self.lost[address] = reason
+            orphans = []
+            for sid in self.server_ids.pop(address, ()):
+                self.lost[sid] = reason
+                orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            if orphans:
+                # A task pinned to a worker that is gone would wait forever ("no-worker"
+                # state) in a plain future.result(): cancel it, saying why.
+                asyncio.ensure_future(
+                    self.client._cancel(
+                        orphans, reason="worker-lost", msg=f"WorkerLostError: the worker {address} was lost ({reason})"
+                    )
+                )
+            self.paused.pop(address, None)
             for group in list(self.groups):
                 group._worker_lost(address, reason)
+        elif msg.get("action") == "worker-status-change":
+            # Paused workers (memory above distributed.worker.memory.pause) start no
+            # tasks, so calls on the task path wait; _gather says so instead of waiting
+            # silently. Handlers (the direct path) still run while paused.
+            if msg.get("status") == "paused":
+                self.paused.setdefault(address, time.monotonic())
+            else:
+                self.paused.pop(address, None)
+
+    def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
+        """Refuse to queue work behind a rank stuck in a call of a broken group.
+
+        The worker runs calls one at a time, so anything sent there would wait until
+        the stuck call returns (for a collective: its timeout, 30 min by default for
+        gloo), which is a hang as far as the user can tell.
+        """
+        for slot in slots:
+            entry = self.stuck.get(slot.server_id)
+            if entry is None:
+                continue
+            group_name, method, future = entry
+            if future.done():
+                self.stuck.pop(slot.server_id, None)
+                continue
+            raise GroupBrokenError(
+                f"cannot run {what} on {slot.address}: its host thread is still stuck in {method!r} of the "
+                f"broken group {group_name!r} (a rank failed while this one waited, e.g. in a collective), "
+                "and calls run one at a time there. Restart the workers (client.restart()), or let the "
+                "collective time out (pass a short timeout= to init_process_group) and retry"
+            )
 
 
 class _ReleaseOnClientExit(SchedulerPlugin):
@@ -260,7 +320,7 @@ class WorkerGroup:
         self._driver.ensure_plugins()
         self._check_name_free()
         self._driver.groups.add(self)
-        self._driver.watch(self.workers)
+        self._driver.watch(self._slots)
 
         self._master_addr = self._slots[0].host
         self._master_port = self._reserve_port(master_port)
@@ -355,6 +415,38 @@ class WorkerGroup:
         """Alias of :meth:`execute_rank_zero_async`, as in verl."""
         return self.execute_rank_zero_async(method_name, *args, **kwargs)
 
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
+        """One group per role of a colocated group (verl's ``RayWorkerGroup.spawn``).
+
+        Args:
+            prefix_set: role names of the ``create_colocated_worker_cls`` dict.
+        Returns:
+            role name → a group over the same ranks that binds that role's registered
+            methods under their own names (``groups["actor"].add(data)``). Role groups
+            own nothing: shut down this group to free the ranks.
+        Raises:
+            TypeError: this group's class is not a colocated worker.
+            ValueError: an unknown role name.
+        """
+        from .colocate import spawn_role_groups
+
+        return spawn_role_groups(self, prefix_set)
+
+    def fuse(self, prefix_set: Iterable[str]) -> None:
+        """Set every role group of :meth:`spawn` as an attribute: ``wg.actor.add(data)``
+        (verl's ``RayWorkerGroup.fuse``).
+
+        Raises:
+            ValueError: a role name clashes with an attribute of the group.
+            TypeError, ValueError: as :meth:`spawn`.
+        """
+        role_groups = self.spawn(prefix_set)
+        for role in role_groups:
+            if role in self._methods or hasattr(type(self), role) or role in _RESERVED:
+                raise ValueError(f"role {role!r} clashes with the attribute {role!r} of the group; rename the role")
+        for role, role_group in role_groups.items():
+            setattr(self, role, role_group)
+
     def shutdown(self) -> None:
         """Destroy the rank objects on every worker and forget the group. Idempotent.
 
@@ -409,9 +501,14 @@ class WorkerGroup:
         if not record or not record.get("detached"):
             raise ValueError(f"there is no detached group named {name!r} on this cluster")
         self = cls.__new__(cls)
-        pool = ResourcePool(client, workers=record["workers"])
-        if [s.server_id for s in pool.slots] != record["server_ids"]:
-            raise GroupBrokenError(f"a worker of group {name!r} restarted since it was built; its ranks are gone")
+        try:
+            pool = ResourcePool(client, workers=list(record["workers"]))
+        except ValueError:
+            pool = None
+        if pool is None or [s.server_id for s in pool.slots] != list(record["server_ids"]):
+            raise GroupBrokenError(
+                f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
+            )
         self._client = client
         self._driver = _Driver.of(client)
         self._cls = pickle.loads(record["cls"])
@@ -429,7 +526,7 @@ class WorkerGroup:
         self._methods = self._bind_registered_methods()
         self._driver.ensure_plugins()
         self._driver.groups.add(self)
-        self._driver.watch(self.workers)
+        self._driver.watch(self._slots)
         return self
 
     # ---- building ----------------------------------------------------------------------
@@ -488,11 +585,24 @@ class WorkerGroup:
         return float(dask.config.get("daskwg.rank-failure-grace"))
 
     def _destroy_ranks(self) -> None:
-        alive = [r for r, s in enumerate(self._slots) if s.address not in self._driver.lost]
-        if not alive:
-            return
+        alive = [r for r, s in enumerate(self._slots) if s.server_id not in self._driver.lost]
+        # A rank stuck in a call of this (broken) group destroys its object only when
+        # that call returns; waiting for it here could take until a collective's timeout.
+        # So does every rank of a broken group: one may still be running the call
+        # that broke it (the other ranks of a lost worker's call, say).
+        stuck = [r for r in alive if self._broken is not None or self._is_stuck(self._slots[r])]
+        alive = [r for r in alive if r not in stuck]
         try:
-            self._send("__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0)
+            if stuck:
+                logger.warning(
+                    "group %s: rank(s) %s are still stuck in a call; their objects are destroyed when it "
+                    "returns (restart the workers to free them now: client.restart())",
+                    self._name,
+                    stuck,
+                )
+                fire_and_forget(self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False))
+            if alive:
+                self._send("__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0)
         except WorkerGroupError as exc:
             logger.warning("group %s: could not destroy every rank: %s", self._name, exc)
         except Exception as exc:  # noqa: BLE001 - shutting down must not raise on a dying cluster
@@ -522,9 +632,16 @@ class WorkerGroup:
             (tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks
         ]
         outputs = self._send(method_name, ranks, payloads, blocking=registered.blocking)
+        from .protocol import DataProto
+
+        if outputs and all(isinstance(out, DataProto) for out in outputs):
+            # The group lets go of the parts, so concatenation can free each one as it goes.
+            outputs = RankOutputs(outputs)
         if rank_zero_only:
             return outputs[0]
         result = fns["collect_fn"](self, outputs)
+        if result is outputs:
+            result = list(result)
         if isinstance(result, DataProtoFuture):
             result = dataclasses.replace(result, gather=self._gather_any)
         if pad_size:
@@ -567,28 +684,41 @@ class WorkerGroup:
         if self._unsettled is None or self._broken is not None:
             return
         deadline, method, failed_rank, pending = self._unsettled
-        while time.monotonic() < deadline and not all(p.done() for p in pending):
+        while time.monotonic() < deadline and not all(p.done() for _, p in pending):
             time.sleep(0.02)
         self._unsettled = None
-        if not all(p.done() for p in pending):
+        stuck = self._mark_stuck(method, pending)
+        if stuck:
             self._broken = GroupBrokenError(
                 f"group {self._name!r} is broken: rank {failed_rank} failed in {method!r} while other ranks "
                 "were still running it (e.g. waiting in a collective); shut the group down and build a new "
                 "one (restart the workers if their threads stay stuck: client.restart())"
             )
 
+    def _mark_stuck(self, method: str, pending: list) -> list:
+        """Record ``(rank, future)`` pairs still running a failed call on the driver, so
+        that nothing is queued behind them (:meth:`_Driver.check_not_stuck`)."""
+        stuck = [(rank, p) for rank, p in pending if not p.done()]
+        for rank, p in stuck:
+            self._driver.stuck[self._slots[rank].server_id] = (self._name, method, p)
+        return stuck
+
+    def _is_stuck(self, slot: Any) -> bool:
+        entry = self._driver.stuck.get(slot.server_id)
+        return entry is not None and not entry[2].done()
+
     def _worker_lost(self, address: str, reason: str) -> None:
         for rank, slot in enumerate(self._slots):
-            if slot.address == address and self._broken is None:
+            if slot.address == address and slot.server_id in self._driver.lost and self._broken is None:
                 self._broken = WorkerLostError(rank, address, reason)
 
     def _raise_if_lost(self, ranks: Sequence[int]) -> None:
         if isinstance(self._broken, WorkerLostError):
             raise self._broken
         for rank in ranks:
-            address = self._slots[rank].address
-            if address in self._driver.lost:
-                self._broken = WorkerLostError(rank, address, self._driver.lost[address])
+            slot = self._slots[rank]
+            if slot.server_id in self._driver.lost:
+                self._broken = WorkerLostError(rank, slot.address, self._driver.lost[slot.server_id])
                 raise self._broken
 
     def _send(
@@ -613,8 +743,13 @@ class WorkerGroup:
         lazies: list[list[list]] = [[] for _ in ranks]
         if not raw_payload:
             payloads = [_extract_lazies(p, lz) for p, lz in zip(payloads, lazies)]
-        addresses = [self._slots[r].address for r in ranks]
-        seqs = self._driver.take_seqs(addresses)
+        slots = [self._slots[r] for r in ranks]
+        if check:
+            # A lost worker fails at once (no connection attempt, no task that never
+            # runs), and nothing is queued behind a rank stuck in a broken group's call.
+            self._raise_if_lost(ranks)
+            self._driver.check_not_stuck(slots, f"{self._name}.{method_name}")
+        seqs = self._driver.take_seqs([s.server_id for s in slots])
         calls = [
             Call(
                 session=self._driver.session,
@@ -624,8 +759,9 @@ class WorkerGroup:
                 rank=rank,
                 method=method_name,
                 owner=self._owner,
+                worker_id=slot.server_id,
             )
-            for rank, seq in zip(ranks, seqs)
+            for rank, seq, slot in zip(ranks, seqs, slots)
         ]
         grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
         if blocking and not any(lazies):
@@ -643,11 +779,14 @@ class WorkerGroup:
                     call=to_serialize(call), payload=to_serialize(payload)
                 )
             except (CommClosedError, OSError) as exc:
-                lost = self._driver.lost.get(address)
-                if lost is None:
-                    self._driver.lost[address] = f"connection lost: {exc}"
-                self._worker_lost(address, self._driver.lost[address])
+                sid = self._slots[call.rank].server_id
+                reason = self._driver.lost.setdefault(sid, f"connection lost: {exc}")
+                self._worker_lost(address, reason)
                 raise self._broken or WorkerLostError(call.rank, address, str(exc)) from None
+            except _TRANSFER_ERRORS as exc:
+                # The rank ran, but its result could not cross (serialise on the worker,
+                # deserialise here): name the call instead of a bare Dask protocol error.
+                raise _transfer_error(call.rank, address, call.method, exc) from None
             if response.get("status") != "OK":
                 raise response["exception"]
             return response["result"]
@@ -657,12 +796,14 @@ class WorkerGroup:
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             first = failed[0]
-            pending = [t for t in tasks if not t.done()]
-            for t in pending:
+            pending = [(c.rank, t) for c, t in zip(calls, tasks) if not t.done()]
+            for _, t in pending:
                 t.add_done_callback(_consume_exception)
             exc = first.exception()
             if pending and isinstance(exc, RankError):
                 self._unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)
+            elif pending and isinstance(exc, WorkerLostError):
+                self._mark_stuck(calls[0].method, pending)
             raise exc
         return [t.result() for t in tasks]
 
@@ -685,6 +826,7 @@ class WorkerGroup:
                     retries=0,
                 )
                 future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
+                self._driver.inflight[self._slots[call.rank].server_id].add(future)
                 futures.append(future)
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.
@@ -719,6 +861,7 @@ class WorkerGroup:
         lost worker: its rank raises ``WorkerLostError`` within the poll interval."""
         ranks = [_rank_of(f) for f in futures]
         poll = float(dask.config.get("daskwg.poll-interval"))
+        warned: set[str] = set()
         while True:
             failed = [f for f in futures if f.status in ("error", "cancelled")]
             pending = [f for f in futures if not f.done()]
@@ -726,20 +869,53 @@ class WorkerGroup:
                 exc = self._future_error(failed[0], method_name)
                 if pending and isinstance(exc, RankError):
                     wait_s = float(dask.config.get("daskwg.rank-failure-grace")) if grace is None else grace
-                    self._unsettled = (time.monotonic() + wait_s, method_name, exc.rank, pending)
+                    pending_ranks = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
+                    self._unsettled = (time.monotonic() + wait_s, method_name, exc.rank, pending_ranks)
                 raise exc
             if not pending:
-                return self._client.gather(futures)
-            self._raise_if_lost([r for r, f in zip(ranks, futures) if not f.done()])
+                try:
+                    return self._client.gather(futures)
+                except _TRANSFER_ERRORS as exc:
+                    raise _transfer_error(-1, "?", method_name, exc) from None
+            try:
+                self._raise_if_lost([r for r, f in zip(ranks, futures) if not f.done()])
+            except WorkerLostError:
+                self._mark_stuck(method_name, [(r, f) for r, f in zip(ranks, futures) if not f.done()])
+                raise
+            self._warn_if_paused([r for r, f in zip(ranks, futures) if not f.done()], method_name, warned)
             try:
                 dask_wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
-            except (TimeoutError, asyncio.TimeoutError):
-                pass
+            except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
+                pass  # a cancelled future is reported by the next round
+
+    def _warn_if_paused(self, ranks: Sequence[int | None], method_name: str, warned: set[str]) -> None:
+        after = float(dask.config.get("daskwg.paused-warning"))
+        for rank in ranks:
+            if rank is None:
+                continue
+            address = self._slots[rank].address
+            since = self._driver.paused.get(address)
+            if since is None or address in warned or time.monotonic() - since < after:
+                continue
+            warned.add(address)
+            logger.warning(
+                "%s.%s: rank %d waits on worker %s, which is paused (its memory use is above "
+                "distributed.worker.memory.pause) and starts no tasks until it frees memory; "
+                "free memory there, raise the worker's memory_limit or the pause threshold",
+                self._name,
+                method_name,
+                rank,
+                address,
+            )
 
     def _future_error(self, future: Future, method_name: str) -> BaseException:
         rank = _rank_of(future)
         address = self._slots[rank].address if rank is not None else "?"
         if future.status == "cancelled":
+            if rank is not None and self._slots[rank].server_id in self._driver.lost:
+                slot = self._slots[rank]
+                self._broken = self._broken or WorkerLostError(rank, slot.address, self._driver.lost[slot.server_id])
+                return self._broken
             return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
         exc = future.exception()
         if isinstance(exc, WorkerGroupError):
@@ -752,6 +928,23 @@ class WorkerGroup:
 
 
 _RESERVED = {"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"}
+
+
+#: What Dask raises when a result cannot be serialised on the worker or deserialised here.
+_TRANSFER_ERRORS = (TypeError, pickle.PicklingError, pickle.UnpicklingError, AttributeError, ImportError)
+
+
+def _transfer_error(rank: int, address: str, method: str, exc: BaseException) -> RankError:
+    return RankError(
+        rank,
+        address,
+        method,
+        "",
+        TypeError(
+            f"the result of {method!r} could not be sent to the driver: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; return tensors, numpy arrays, DataProto or plain data"
+        ),
+    )
 
 
 def _consume_exception(task: asyncio.Future) -> None:

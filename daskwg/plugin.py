@@ -22,6 +22,7 @@ near-simultaneous tasks cannot reorder collectives.
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import inspect
 import logging
@@ -71,6 +72,8 @@ class Call:
         method: the method name, or ``"__init__"`` / ``"__del__"`` for the life-cycle
             calls that build and destroy the rank object.
         owner: client id that owns the group.
+        worker_id: id of the worker process the call is meant for (``Worker.id``);
+            a restarted worker (same name, maybe same address) has a new one.
     """
 
     session: str
@@ -80,6 +83,7 @@ class Call:
     rank: int
     method: str
     owner: str
+    worker_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ class HostPlugin(WorkerPlugin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reserved_ports: set[int] = set()
         self._current_env: dict | None = None
+        self._applied_env_keys: set[str] = set()
+        self._original_env: dict[str, str | None] = {}
         worker.handlers["daskwg_call"] = self._handle_call
         worker.handlers["daskwg_skip"] = self._handle_skip
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
@@ -207,6 +213,18 @@ class HostPlugin(WorkerPlugin):
 
     def enqueue(self, call: Call, payload: Any, lazy_values: list | None = None) -> ConcurrentFuture:
         """Queue ``call`` for the host thread; returns a future of its result."""
+        if call.worker_id is not None and call.worker_id != self.worker.id:
+            # Meant for the process this one replaced: its sequence numbers count on
+            # from the old process, so queuing it would wait forever, and its group's
+            # ranks are gone. Refused before it takes a place in the order.
+            failed: ConcurrentFuture = ConcurrentFuture()
+            failed.set_exception(
+                GroupBrokenError(
+                    f"rank {call.rank} of group {call.group_name!r} was on an earlier process of the worker at "
+                    f"{self.address}, which restarted; its ranks are gone: build a new group"
+                )
+            )
+            return failed
         return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
 
     async def _handle_call(self, call: Call, payload: Any) -> dict:
@@ -229,7 +247,9 @@ class HostPlugin(WorkerPlugin):
         with self._hosted_lock:
             keys = [k for k, h in self._hosted.items() if h.owner == client and not h.detached]
             for key in keys:
-                self._hosted.pop(key)
+                port = self._hosted.pop(key).env.get("MASTER_PORT")
+                if key[1] == 0 and port is not None:
+                    self._reserved_ports.discard(int(port))
         self._sequencer.forget(client)
         if keys:
             logger.info("released %d rank(s) of driver %s", len(keys), client)
@@ -273,9 +293,21 @@ class HostPlugin(WorkerPlugin):
     def _apply_env(self, env: dict) -> None:
         # Groups sharing this process each see their own rank environment: it is put
         # in place before every call (calls run one at a time on this thread).
-        if env is not self._current_env:
-            os.environ.update(env)
-            self._current_env = env
+        # Keys another group's env set and this one lacks (its worker_env) go back to
+        # the process's own value, so no group sees another group's variables.
+        if env is self._current_env:
+            return
+        for key in self._applied_env_keys - env.keys():
+            original = self._original_env.get(key)
+            if original is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = original
+        for key in env.keys() - self._original_env.keys():
+            self._original_env[key] = os.environ.get(key)
+        os.environ.update(env)
+        self._applied_env_keys = set(env)
+        self._current_env = env
 
     def _create(self, call: Call, payload: dict) -> dict:
         key = (call.group_id, call.rank)
@@ -300,9 +332,14 @@ class HostPlugin(WorkerPlugin):
 
     def _destroy(self, call: Call) -> bool:
         with self._hosted_lock:
-            hosted = self._hosted.pop((call.group_id, call.rank), None)
-        if hosted is None:
-            return False
+            hosted = self._hosted.get((call.group_id, call.rank))
+            if hosted is None:
+                return False
+            # Only the owner (or a driver attached to a detached group, which calls as
+            # the owner) may tear a group down.
+            if hosted.owner != call.owner:
+                raise PermissionError(f"group {call.group_name!r} belongs to another driver; attach to it by name")
+            self._hosted.pop((call.group_id, call.rank))
         port = hosted.env.get("MASTER_PORT")
         if port is not None and call.rank == 0:
             self._reserved_ports.discard(int(port))
@@ -346,6 +383,10 @@ class HostPlugin(WorkerPlugin):
     def _reserve_port(self, port: int | None) -> int:
         host = get_address_host(self.address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if port and port in self._reserved_ports:
+            # Reserved ports are not bound until init_process_group, so bind() below
+            # would not see that another group already has this one.
+            raise OSError(f"MASTER_PORT {port} is already used by another worker group on {host}")
         for _ in range(64):
             with socket.socket(family, socket.SOCK_STREAM) as sock:
                 try:
@@ -363,7 +404,14 @@ class HostPlugin(WorkerPlugin):
 
 def _resolve(value: Any, lazy_values: list) -> Any:
     if isinstance(value, LazyArg):
-        return value.transform(lazy_values[value.index])
+        parts = lazy_values[value.index]
+        if len(parts) == 1:
+            # A part produced on this worker arrives as the very object Dask keeps for
+            # its future: a method that changes its argument in place would change the
+            # future's value for every later reader. Several parts are concatenated,
+            # which copies them anyway.
+            parts = [copy.deepcopy(parts[0])]
+        return value.transform(parts)
     return value
 
 
@@ -372,7 +420,8 @@ def _check_picklable(result: Any, call: Call) -> None:
     if result is None or isinstance(result, (int, float, str, bytes, bool, np.ndarray, torch.Tensor)):
         return
     if type(result).__name__ == "DataProto":
-        return
+        # Its tensors always serialise; what may not are meta_info and object arrays.
+        result = (result.meta_info, result.non_tensor_batch)
     try:
         pickle.dumps(result, protocol=5, buffer_callback=lambda _: None)
     except Exception as exc:  # noqa: BLE001

@@ -66,21 +66,27 @@ def _first_visible_device() -> str | None:
     return value.split(",")[0].strip()
 
 
+def _worker_identity(dask_worker) -> tuple[str | None, str]:
+    # The scheduler's "id" for a worker is its name, which a restarted worker keeps;
+    # the worker's own id is new in every process.
+    return _first_visible_device(), dask_worker.id
+
+
 def _cluster_slots(client: Client) -> list[WorkerSlot]:
     info = client.scheduler_info(n_workers=-1)["workers"]
     if not info:
         return []
-    devices = client.run(_first_visible_device, workers=list(info))
+    identities = client.run(_worker_identity, workers=list(info))
     return [
         WorkerSlot(
             address=addr,
             host=get_address_host(addr),
             name=str(w.get("name", addr)),
-            device=devices.get(addr),
-            server_id=w["id"],
+            device=identities[addr][0],
+            server_id=identities[addr][1],
         )
         for addr, w in info.items()
-        if addr in devices
+        if addr in identities
     ]
 
 
