@@ -309,12 +309,6 @@ def test_tensors_of_every_dtype_round_trip_exactly(client4, dtype):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(
-    raises=WorkerLostError,
-    strict=True,
-    reason="known bug: a 1 GiB argument sent to a rank peaks near 9.5 GiB in the worker (the 1 GiB "
-    "result coming back peaks at 1.3 GiB), so the Nanny's memory limit restarts the worker",
-)
 def test_a_one_gib_batch_round_trips_exactly():
     # A cluster of its own: a worker over its memory limit is restarted by its Nanny.
     with _small_cluster(1, memory_limit="8GiB") as cluster, Client(cluster) as client, WorkerGroup(
