@@ -43,6 +43,7 @@ from distributed import Client, Future, fire_and_forget
 from distributed import wait as dask_wait
 from distributed.client import FuturesCancelledError
 from distributed.comm.core import CommClosedError
+from distributed.core import ConnectionPool
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import to_serialize
 
@@ -125,6 +126,7 @@ class _Driver:
         self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
         self.plugins_ready = False
         self.call_numbers = itertools.count()
+        self.local = threading.local()
 
     @classmethod
     def of(cls, client: Client) -> _Driver:
@@ -147,6 +149,20 @@ class _Driver:
                 exc,
             )
         self.plugins_ready = True
+
+    def channel(self) -> _Channel | None:
+        """The calling thread's :class:`_Channel`, or ``None`` where the thread already
+        runs an event loop (e.g. Jupyter) and must go through ``client.sync``."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            return None
+        channel = getattr(self.local, "channel", None)
+        if channel is None:
+            channel = self.local.channel = _Channel(self.client.connection_args)
+        return channel
 
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
         with self.lock:
@@ -214,6 +230,60 @@ class _Driver:
                 "and calls run one at a time there. Restart the workers (client.restart()), or let the "
                 "collective time out (pass a short timeout= to init_process_group) and retry"
             )
+
+
+class _Channel:
+    """A private event loop and Dask ``ConnectionPool`` owned by one driver thread.
+
+    Blocking direct calls run this loop in the calling thread itself
+    (``loop.run_until_complete``) instead of handing the work to the client's loop
+    thread and waiting for it (``client.sync``): two thread switches less per call,
+    which is most of a small call's cost on a busy machine. Comms are Dask's own,
+    with the client's connection arguments (TLS included).
+    """
+
+    def __init__(self, connection_args: dict):
+        self.loop = asyncio.new_event_loop()
+        self.pool = ConnectionPool(limit=256, connection_args=connection_args)
+        self.loop.run_until_complete(self.pool.start())
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(self._fresh(coro))
+
+    @staticmethod
+    async def _fresh(coro: Any) -> Any:
+        # The loop sat idle since the last call: let it first see the connections that
+        # closed meanwhile (a worker that died or restarted), so the pool does not hand
+        # one of them out again.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return await coro
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.pool.close())
+        finally:
+            self.loop.close()
+
+
+class _CallWatch:
+    """Tells when one call on one worker has finished, by polling the worker's
+    ``daskwg_progress`` from the client's event loop. ``done()`` like a future."""
+
+    def __init__(self, driver: _Driver, address: str, seq: int, interval: float = 0.1):
+        self._event = threading.Event()
+        driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    async def _poll(self, driver: _Driver, address: str, seq: int, interval: float) -> None:
+        try:
+            while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
+                await asyncio.sleep(interval)
+        except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
+            pass
+        self._event.set()
 
 
 class _ReleaseOnClientExit(SchedulerPlugin):
@@ -765,18 +835,28 @@ class WorkerGroup:
         ]
         grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
         if blocking and not any(lazies):
-            return self._client.sync(self._send_direct, calls, payloads, grace)
+            channel = self._driver.channel()
+            if channel is None:
+                return self._client.sync(self._send_direct, self._client.rpc, calls, payloads, grace, False)
+            return channel.run(self._send_direct(channel.pool, calls, payloads, grace, True))
         futures = self._submit(calls, payloads, lazies)
         if blocking:
             return self._gather(futures, method_name, grace)
         return futures
 
-    async def _send_direct(self, calls: list[Call], payloads: list, grace: float) -> list:
+    async def _send_direct(self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool) -> list:
+        """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
+
+        ``pool`` is a Dask ``ConnectionPool``: the client's (on the client's event loop)
+        or the calling thread's own (:class:`_Channel`), which saves the two thread
+        hops of ``client.sync`` on every call.
+        """
+
         async def one(call: Call, payload: Any) -> Any:
             address = self._slots[call.rank].address
             try:
-                response = await self._client.rpc(address).daskwg_call(
-                    call=to_serialize(call), payload=to_serialize(payload)
+                response = await pool(address).daskwg_call(
+                    call=dataclasses.astuple(call), payload=to_serialize(payload)
                 )
             except (CommClosedError, OSError) as exc:
                 sid = self._slots[call.rank].server_id
@@ -796,9 +876,16 @@ class WorkerGroup:
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             first = failed[0]
-            pending = [(c.rank, t) for c, t in zip(calls, tasks) if not t.done()]
-            for _, t in pending:
+            pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
+            pending = [(c.rank, t) for c, t in pending_calls]
+            for _, t in pending_calls:
                 t.add_done_callback(_consume_exception)
+            if private:
+                # The private loop only runs while its thread is in a call, so its
+                # tasks cannot tell when these ranks finish: ask their workers instead.
+                pending = [(c.rank, _CallWatch(self._driver, self._slots[c.rank].address, c.seq)) for c, _ in pending_calls]
+                for _, t in pending_calls:
+                    t.cancel()
             exc = first.exception()
             if pending and isinstance(exc, RankError):
                 self._unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)

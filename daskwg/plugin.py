@@ -203,6 +203,8 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
+        worker.handlers["daskwg_progress"] = self._handle_progress
+        self._progress: dict[str, int] = {}
 
     def teardown(self, worker) -> None:
         with self._hosted_lock:
@@ -225,15 +227,31 @@ class HostPlugin(WorkerPlugin):
                 )
             )
             return failed
-        return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
 
-    async def _handle_call(self, call: Call, payload: Any) -> dict:
-        cfut = self.enqueue(call, payload)
+        def work() -> Any:
+            try:
+                return self._execute(call, payload, lazy_values)
+            finally:
+                # Calls finish in sequence order (one thread), so one number per driver
+                # says which of its calls are done (see ``daskwg_progress``).
+                self._progress[call.session] = call.seq
+
+        return self._sequencer.submit(call.session, call.seq, work)
+
+    async def _handle_call(self, call: tuple | Call, payload: Any) -> dict:
+        # The call travels as a plain tuple (msgpack), cheaper than a pickled dataclass.
+        cfut = self.enqueue(call if isinstance(call, Call) else Call(*call), payload)
         try:
             result = await asyncio.wrap_future(cfut)
         except BaseException as exc:  # noqa: BLE001
             return {"status": "error", "exception": to_serialize(_picklable_error(exc))}
         return {"status": "OK", "result": to_serialize(result)}
+
+    def _handle_progress(self, session: str) -> int:
+        """The sequence number of the last call of driver ``session`` that finished here
+        (-1 if none): the driver polls it to learn when a call it stopped waiting for
+        (a straggler of a failed call) has returned."""
+        return self._progress.get(session, -1)
 
     def _handle_skip(self, session: str, seqs: list[int]) -> None:
         for seq in seqs:
