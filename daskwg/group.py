@@ -620,7 +620,14 @@ class WorkerGroup:
 
     def _check_name_free(self) -> None:
         record = self._client.get_metadata([_METADATA_ROOT, self._name], default=None)
-        if record and (record.get("detached") or record.get("owner") == self._owner):
+        if not record:
+            return
+        # A non-detached group of another driver counts while that driver is connected;
+        # the record of one that left without shutdown() is stale.
+        taken = record.get("detached") or record.get("owner") == self._owner
+        if not taken:
+            taken = record.get("owner") in self._client.run_on_scheduler(_connected_clients)
+        if taken:
             raise ValueError(
                 f"a worker group named {self._name!r} already exists on this cluster; "
                 "pick another name, shut it down, or WorkerGroup.attach() to it"
@@ -1032,6 +1039,10 @@ def _transfer_error(rank: int, address: str, method: str, exc: BaseException) ->
             f"{str(exc).splitlines()[0] if str(exc) else ''}; return tensors, numpy arrays, DataProto or plain data"
         ),
     )
+
+
+def _connected_clients(dask_scheduler) -> list[str]:
+    return list(dask_scheduler.clients)
 
 
 def _consume_exception(task: asyncio.Future) -> None:

@@ -182,6 +182,15 @@ def test_two_drivers_each_reach_their_own_group_on_the_same_workers(cluster4):
             assert two.get_log() == [[2], [2]]
 
 
+def test_a_group_name_in_use_by_another_connected_driver_is_rejected(cluster4):
+    with Client(cluster4) as first, Client(cluster4) as second:
+        with WorkerGroup(first, AddWorker, world_size=1, name="shared-name"):
+            with pytest.raises(ValueError, match="'shared-name' already exists"):
+                WorkerGroup(second, AddWorker, world_size=1, name="shared-name")
+        with WorkerGroup(second, AddWorker, world_size=1, name="shared-name") as again:
+            assert again.foo(x=1, y=2) == [5]
+
+
 def test_a_second_driver_has_no_handle_on_a_non_detached_group(cluster4):
     with Client(cluster4) as first, Client(cluster4) as second:
         with WorkerGroup(first, AddWorker, world_size=2, name="private") as wg:
