@@ -281,6 +281,7 @@ class _CallWatch:
         try:
             while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
                 await asyncio.sleep(interval)
+                interval = min(interval * 1.5, 2.0)  # a stuck collective may take minutes
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
             pass
         self._event.set()
@@ -871,8 +872,14 @@ class WorkerGroup:
                 self._worker_lost(address, reason)
                 raise self._broken or WorkerLostError(call.rank, address, str(exc)) from None
             except _TRANSFER_ERRORS as exc:
-                # The rank ran, but its result could not cross (serialise on the worker,
-                # deserialise here): name the call instead of a bare Dask protocol error.
+                # The arguments could not be unpickled on the worker, or the result here:
+                # name the call instead of a bare Dask protocol error. If the call never
+                # reached the host, its place in the order must be given up, or every
+                # later call to this worker would wait behind it (skip is a no-op if it ran).
+                try:
+                    await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
+                except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
+                    pass
                 raise _transfer_error(call.rank, address, call.method, exc) from None
             if response.get("status") != "OK":
                 raise response["exception"]
@@ -890,9 +897,9 @@ class WorkerGroup:
             if private:
                 # The private loop only runs while its thread is in a call, so its
                 # tasks cannot tell when these ranks finish: ask their workers instead.
+                # The tasks stay on that loop and finish whenever it runs again (their
+                # error handling must still run: e.g. giving up an undelivered call's place).
                 pending = [(c.rank, _CallWatch(self._driver, self._slots[c.rank].address, c.seq)) for c, _ in pending_calls]
-                for _, t in pending_calls:
-                    t.cancel()
             exc = first.exception()
             if pending and isinstance(exc, RankError):
                 self._unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)
@@ -1035,8 +1042,10 @@ def _transfer_error(rank: int, address: str, method: str, exc: BaseException) ->
         method,
         "",
         TypeError(
-            f"the result of {method!r} could not be sent to the driver: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}; return tensors, numpy arrays, DataProto or plain data"
+            f"the arguments or the result of {method!r} could not cross between the driver and the worker: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the workers must be able to "
+            "import every class and function sent to them (install its module there), and results must be "
+            "tensors, numpy arrays, DataProto or plain data"
         ),
     )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import gc
 import inspect
 import logging
@@ -110,6 +111,7 @@ class _Hosted:
 
 @dataclass
 class _Session:
+    session: str
     next_seq: int = 0
     pending: dict = field(default_factory=dict)
     skipped: set = field(default_factory=set)
@@ -122,11 +124,17 @@ class _Sequencer:
         self._executor = executor
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
+        #: per driver, the sequence number of its last call that finished (or was
+        #: skipped) on the thread; calls finish in order, so one number says it all.
+        self.progress: dict[str, int] = {}
+
+    def _done(self, session: str, seq: int) -> None:
+        self.progress[session] = seq
 
     def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
         result: ConcurrentFuture = ConcurrentFuture()
         with self._lock:
-            state = self._sessions.setdefault(session, _Session())
+            state = self._sessions.setdefault(session, _Session(session))
             if seq < state.next_seq or seq in state.pending:
                 result.set_exception(
                     RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
@@ -141,7 +149,7 @@ class _Sequencer:
     def skip(self, session: str, seq: int) -> None:
         """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
         with self._lock:
-            state = self._sessions.setdefault(session, _Session())
+            state = self._sessions.setdefault(session, _Session(session))
             if seq >= state.next_seq and seq not in state.pending:
                 state.skipped.add(seq)
                 self._release(state)
@@ -155,23 +163,28 @@ class _Sequencer:
             seq = state.next_seq
             if seq in state.skipped:
                 state.skipped.discard(seq)
+                # Through the thread too, so progress never runs ahead of a call still running.
+                self._executor.submit(self._done, state.session, seq)
             elif seq in state.pending:
                 fn, result = state.pending.pop(seq)
-                self._executor.submit(_run_into, fn, result)
+                self._executor.submit(_run_into, fn, result, functools.partial(self._done, state.session, seq))
             else:
                 return
             state.next_seq += 1
 
 
-def _run_into(fn: Callable[[], Any], result: ConcurrentFuture) -> None:
-    if not result.set_running_or_notify_cancel():
-        return
+def _run_into(fn: Callable[[], Any], result: ConcurrentFuture, done: Callable[[], None]) -> None:
     try:
-        value = fn()
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-        result.set_exception(exc)
-    else:
-        result.set_result(value)
+        if not result.set_running_or_notify_cancel():
+            return
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
+            result.set_exception(exc)
+        else:
+            result.set_result(value)
+    finally:
+        done()
 
 
 class HostPlugin(WorkerPlugin):
@@ -204,7 +217,6 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
         worker.handlers["daskwg_progress"] = self._handle_progress
-        self._progress: dict[str, int] = {}
 
     def teardown(self, worker) -> None:
         with self._hosted_lock:
@@ -227,16 +239,7 @@ class HostPlugin(WorkerPlugin):
                 )
             )
             return failed
-
-        def work() -> Any:
-            try:
-                return self._execute(call, payload, lazy_values)
-            finally:
-                # Calls finish in sequence order (one thread), so one number per driver
-                # says which of its calls are done (see ``daskwg_progress``).
-                self._progress[call.session] = call.seq
-
-        return self._sequencer.submit(call.session, call.seq, work)
+        return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
 
     async def _handle_call(self, call: tuple | Call, payload: Any) -> dict:
         # The call travels as a plain tuple (msgpack), cheaper than a pickled dataclass.
@@ -251,7 +254,7 @@ class HostPlugin(WorkerPlugin):
         """The sequence number of the last call of driver ``session`` that finished here
         (-1 if none): the driver polls it to learn when a call it stopped waiting for
         (a straggler of a failed call) has returned."""
-        return self._progress.get(session, -1)
+        return self._sequencer.progress.get(session, -1)
 
     def _handle_skip(self, session: str, seqs: list[int]) -> None:
         for seq in seqs:

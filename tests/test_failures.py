@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, wait_for_workers
+from conftest import CLICluster, free_port, wait_for_workers
 from dask.config import set as dask_config
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from distributed.client import FutureCancelledError
@@ -389,3 +389,30 @@ def test_a_data_proto_future_survives_a_later_dispatch_error(client4):
             wg.echo_proto([1, 2, 3])
         assert isinstance(future, DataProtoFuture)
         assert future.get().batch["a"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_a_class_the_workers_cannot_import_fails_clearly_and_leaves_the_workers_usable(tmp_path, monkeypatch):
+    # The module exists only on the driver's path, as a class defined in a notebook
+    # helper file would; the CLI workers started without it.
+    (tmp_path / "driver_only_mod.py").write_text(
+        "import daskwg\n"
+        "class DriverOnly(daskwg.Worker):\n"
+        "    @daskwg.register(dispatch_mode=daskwg.Dispatch.ONE_TO_ALL)\n"
+        "    def echo(self, x):\n"
+        "        return x\n"
+    )
+    cluster = CLICluster(2)
+    try:
+        with Client(cluster.address, timeout=60) as client:
+            wait_for_workers(client, 2)
+            monkeypatch.syspath_prepend(str(tmp_path))
+            from driver_only_mod import DriverOnly
+
+            with pytest.raises(RankError, match="driver_only_mod") as info:
+                WorkerGroup(client, DriverOnly, world_size=2)
+            assert "install its module" in str(info.value)
+            with WorkerGroup(client, FaultWorker, world_size=2) as wg:
+                assert wg.echo(3) == [3, 3]
+    finally:
+        cluster.close()
