@@ -9,8 +9,22 @@ the method runs on every rank (execute) and the results are merged (collect).
 from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
 from .cluster import local_cluster
 from .colocate import create_colocated_worker_cls
-from .decorator import Dispatch, Execute, make_nd_compute_dataproto_dispatch_fn, register, register_dispatch_mode, update_dispatch_mode
-from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError, WorldSizeError
+from .decorator import (
+    Dispatch,
+    Execute,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+    register_dispatch_mode,
+    update_dispatch_mode,
+)
+from .errors import (
+    DispatchError,
+    GroupBrokenError,
+    RankError,
+    WorkerGroupError,
+    WorkerLostError,
+    WorldSizeError,
+)
 from .futures import DataProtoFuture
 from .group import ClassWithInitArgs, WorkerGroup
 from .pool import ResourcePool

@@ -45,10 +45,9 @@ from distributed.client import FuturesCancelledError
 from distributed.comm.core import CommClosedError
 from distributed.core import ConnectionPool
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.protocol import to_serialize
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from . import serialization  # noqa: F401  (installs the tensor serializer in the driver)
+from . import serialization  # also installs the tensor serializer in the driver
 from .decorator import (
     PADDING_SIZE_KEY,
     Execute,
@@ -864,7 +863,7 @@ class WorkerGroup:
             address = self._slots[call.rank].address
             try:
                 response = await pool(address).daskwg_call(
-                    call=dataclasses.astuple(call), payload=to_serialize(payload)
+                    call=dataclasses.astuple(call), payload=serialization.pack(payload)
                 )
             except (CommClosedError, OSError) as exc:
                 sid = self._slots[call.rank].server_id
@@ -883,7 +882,10 @@ class WorkerGroup:
                 raise _transfer_error(call.rank, address, call.method, exc) from None
             if response.get("status") != "OK":
                 raise response["exception"]
-            return response["result"]
+            try:
+                return serialization.unpack(response["result"])
+            except _TRANSFER_ERRORS as exc:
+                raise _transfer_error(call.rank, address, call.method, exc) from None
 
         tasks = [asyncio.ensure_future(one(c, p)) for c, p in zip(calls, payloads)]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

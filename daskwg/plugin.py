@@ -46,7 +46,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from . import serialization  # noqa: F401  (installs the tensor serializer in workers)
+from . import serialization  # also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
 
 __all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
@@ -241,14 +241,32 @@ class HostPlugin(WorkerPlugin):
             return failed
         return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
 
-    async def _handle_call(self, call: tuple | Call, payload: Any) -> dict:
-        # The call travels as a plain tuple (msgpack), cheaper than a pickled dataclass.
-        cfut = self.enqueue(call if isinstance(call, Call) else Call(*call), payload)
+    async def _handle_call(self, call: tuple, payload: dict) -> dict:
+        """The direct path: run one call (``Call`` fields as a plain tuple, arguments
+        packed by :func:`daskwg.serialization.pack`) and reply with its packed result."""
+        call = Call(*call)
+        try:
+            args = serialization.unpack(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
+            # The call never reaches the host: give up its place in the order.
+            self._sequencer.skip(call.session, call.seq)
+            hint = (
+                f"the arguments of {call.method!r} could not be unpickled on this worker: {exc}; the workers "
+                "must be able to import every class and function sent to them (install its module there)"
+            )
+            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), _with_message(exc, hint))
+            return {"status": "error", "exception": to_serialize(error)}
+        cfut = self.enqueue(call, args)
         try:
             result = await asyncio.wrap_future(cfut)
         except BaseException as exc:  # noqa: BLE001
             return {"status": "error", "exception": to_serialize(_picklable_error(exc))}
-        return {"status": "OK", "result": to_serialize(result)}
+        try:
+            packed = serialization.pack(result)
+        except Exception as exc:  # noqa: BLE001 - _check_picklable lets some through
+            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc))
+            return {"status": "error", "exception": to_serialize(error)}
+        return {"status": "OK", "result": packed}
 
     def _handle_progress(self, session: str) -> int:
         """The sequence number of the last call of driver ``session`` that finished here
@@ -459,6 +477,14 @@ def _picklable_exception(exc: BaseException) -> BaseException | None:
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def _with_message(exc: BaseException, message: str) -> BaseException:
+    """An exception of the same type as ``exc`` (where it can be built from a message)."""
+    try:
+        return _picklable_exception(type(exc)(message)) or RuntimeError(message)
+    except Exception:  # noqa: BLE001
+        return RuntimeError(message)
 
 
 def _picklable_error(exc: BaseException) -> BaseException:

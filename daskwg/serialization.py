@@ -9,11 +9,18 @@ tensor from that frame on the other side, for every dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+from distributed.protocol import pickle as dask_pickle
+from distributed.protocol import to_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-__all__ = ["serialize_tensor", "deserialize_tensor", "install"]
+__all__ = ["serialize_tensor", "deserialize_tensor", "install", "pack", "unpack"]
+
+#: Above this many pickled bytes a message part goes through Dask's framing instead.
+_INLINE_MAX = 1 << 20
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -67,6 +74,34 @@ def deserialize_tensor(header: dict, frames: list) -> torch.Tensor:
     if header["requires_grad"]:
         t.requires_grad_(True)
     return t
+
+
+def pack(obj: Any) -> dict:
+    """Encode one part of a comm message (call arguments or a result).
+
+    Objects that pickle without out-of-band buffers and to at most 1 MiB travel as
+    pickled bytes inline in the message: Dask's generic serialisation costs about
+    half a millisecond per object on each side, most of a small call's time. Anything
+    with buffers (tensors, arrays) or larger goes through ``to_serialize``, whose
+    frames cross without copies.
+
+    Returns:
+        ``{"pickled": bytes}`` or ``{"serialized": Serialize}``; :func:`unpack` reverses it.
+    Raises:
+        whatever pickling raises for an object that cannot be pickled.
+    """
+    buffers: list = []
+    data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
+    if buffers or len(data) > _INLINE_MAX:
+        return {"serialized": to_serialize(obj)}
+    return {"pickled": data}
+
+
+def unpack(part: dict) -> Any:
+    """The object :func:`pack` encoded (the comm layer already deserialised frames)."""
+    if "pickled" in part:
+        return dask_pickle.loads(part["pickled"])
+    return part["serialized"]
 
 
 def install() -> None:

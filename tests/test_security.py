@@ -3,6 +3,7 @@ cluster, and drivers that exit or die without ``shutdown()``."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -15,13 +16,13 @@ import time
 import pytest
 from conftest import CLICluster, wait_for_workers
 from distributed import Client, LocalCluster
-from distributed.protocol import to_serialize
 from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
 from daskwg import ClassWithInitArgs, RankError, WorkerGroup
 from daskwg.group import _Driver
 from daskwg.plugin import Call
+from daskwg.serialization import pack
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -217,7 +218,7 @@ def _send_as(client: Client, wg: WorkerGroup, method: str) -> dict:
     )
 
     async def send():
-        return await client.rpc(slot.address).daskwg_call(call=to_serialize(call), payload=to_serialize(((), {})))
+        return await client.rpc(slot.address).daskwg_call(call=dataclasses.astuple(call), payload=pack(((), {})))
 
     return client.sync(send)
 
