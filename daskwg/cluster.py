@@ -50,7 +50,9 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
         try:
             from dask_cuda import LocalCUDACluster
         except ImportError:
-            logger.info("GPUs found but dask-cuda is not installed (pip install 'daskwg[cuda]'); using LocalCluster")
+            logger.info(
+                "GPUs found but dask-cuda is not installed (pip install 'daskwg[cuda]'); using LocalCluster"
+            )
         else:
             if n_workers is not None:
                 kwargs.setdefault("n_workers", n_workers)

@@ -117,7 +117,9 @@ def _check_roles(roles: Any, colocated_cls: type) -> dict[str, ClassWithInitArgs
         elif isinstance(value, type):
             out[role] = ClassWithInitArgs(value)
         else:
-            raise TypeError(f"role {role!r} must be a class or a ClassWithInitArgs, got {type(value).__name__}")
+            raise TypeError(
+                f"role {role!r} must be a class or a ClassWithInitArgs, got {type(value).__name__}"
+            )
     return out
 
 
@@ -181,7 +183,9 @@ class _RoleGroup(WorkerGroup):
     def _gather_any(self, futures: list) -> list:
         return self._parent._gather_any(futures)
 
-    def _send(self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any) -> list:
+    def _send(
+        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any
+    ) -> list:
         if check:
             self._check_usable(method_name)
             if method_name not in self._methods and not hasattr(self._cls, method_name):

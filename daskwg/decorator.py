@@ -322,7 +322,9 @@ def _common_length(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     lengths = {label: n for label, value in _labelled(args, kwargs) if (n := _num_rows(value)) is not None}
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{label}: {n}" for label, n in lengths.items())
-        raise DispatchError(f"{mode} needs all DataProto and TensorDict arguments to have the same length; got {shown}")
+        raise DispatchError(
+            f"{mode} needs all DataProto and TensorDict arguments to have the same length; got {shown}"
+        )
     return next(iter(lengths.values()), None)
 
 
@@ -423,13 +425,17 @@ def _concat_futures(futures: list[Any]) -> Any:
 # --------------------------------------------------------------------------- dispatch/collect
 
 
-def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+def dispatch_one_to_all(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
     """Every rank gets every argument as given (verl's ``dispatch_one_to_all``)."""
     n = worker_group.world_size
     return tuple([arg] * n for arg in args), {key: [value] * n for key, value in kwargs.items()}
 
 
-def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+def dispatch_all_to_all(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
     """Arguments already hold one entry per rank (verl's ``dispatch_all_to_all``).
 
     Unlike verl, which passes anything through and lets ``execute_all`` guess whether to
@@ -456,7 +462,9 @@ def collect_rank_zero(worker_group: Any, outputs: list[Any]) -> Any:
     return outputs[0]
 
 
-def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
+def dispatch_dp_compute(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, list[Any]]]:
     """Data-parallel lists: rank ``r`` gets entry ``r`` of every argument (verl's ``dispatch_dp_compute``).
 
     Raises:
@@ -509,12 +517,16 @@ def dispatch_dp_compute_data_proto(
         return _split_batch(label, value, n)
 
     split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))
-    split_kwargs: dict[str, Any] = {key: pad_and_split(f"argument {key!r}", value) for key, value in kwargs.items()}
+    split_kwargs: dict[str, Any] = {
+        key: pad_and_split(f"argument {key!r}", value) for key, value in kwargs.items()
+    }
     split_kwargs[PADDING_SIZE_KEY] = pad_size
     return split_args, split_kwargs
 
 
-def dispatch_dp_compute_metric(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[list[Any], ...], dict[str, Any]]:
+def dispatch_dp_compute_metric(
+    worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[list[Any], ...], dict[str, Any]]:
     """Pad and split like ``DP_COMPUTE_PROTO``, without asking the group to unpad.
 
     The outputs of ``DP_COMPUTE_METRIC`` are one value per rank, not rows, so there is
@@ -549,7 +561,9 @@ def dispatch_dp_compute_data_proto_with_func(
     func, rest = args[0], args[1:]
     _check_batches(mode, rest, kwargs)
     n = worker_group.world_size
-    split_args = tuple(_split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1))
+    split_args = tuple(
+        _split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1)
+    )
     split_kwargs = {key: _split_batch(f"argument {key!r}", value, n) for key, value in kwargs.items()}
     return ([func] * n, *split_args), split_kwargs
 
@@ -689,7 +703,9 @@ def _check_dispatch_mode(dispatch_mode: Any) -> None:
     if isinstance(dispatch_mode, Mapping):
         missing = [key for key in ("dispatch_fn", "collect_fn") if key not in dispatch_mode]
         if missing:
-            raise ValueError(f"a dict dispatch_mode needs the keys 'dispatch_fn' and 'collect_fn'; missing {missing}")
+            raise ValueError(
+                f"a dict dispatch_mode needs the keys 'dispatch_fn' and 'collect_fn'; missing {missing}"
+            )
         _check_fns(dispatch_mode["dispatch_fn"], dispatch_mode["collect_fn"])
         return
     raise TypeError(
@@ -698,7 +714,9 @@ def _check_dispatch_mode(dispatch_mode: Any) -> None:
     )
 
 
-def get_predefined_dispatch_fn(dispatch_mode: Dispatch | Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+def get_predefined_dispatch_fn(
+    dispatch_mode: Dispatch | Mapping[str, Callable[..., Any]],
+) -> dict[str, Callable[..., Any]]:
     """The ``{"dispatch_fn", "collect_fn"}`` of a mode (verl's function of that name).
 
     For a ``Dispatch`` member, a copy of its registry entry; for a dict mode, the dict itself.
@@ -720,7 +738,9 @@ def get_predefined_dispatch_fn(dispatch_mode: Dispatch | Mapping[str, Callable[.
     return dispatch_mode  # type: ignore[return-value]
 
 
-def register_dispatch_mode(name: str, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]) -> Dispatch:
+def register_dispatch_mode(
+    name: str, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]
+) -> Dispatch:
     """Add a dispatch mode ``Dispatch.<NAME>`` and return it (verl's function of that name).
 
     ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)`` must return one entry
@@ -740,7 +760,9 @@ def register_dispatch_mode(name: str, dispatch_fn: Callable[..., Any], collect_f
     return mode
 
 
-def update_dispatch_mode(dispatch_mode: Dispatch, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]) -> None:
+def update_dispatch_mode(
+    dispatch_mode: Dispatch, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]
+) -> None:
     """Replace the functions of an existing dispatch mode (verl's function of that name).
 
     Raises:
@@ -774,7 +796,9 @@ def get_registered_method(func: Any) -> RegisteredMethod | None:
     return info if isinstance(info, RegisteredMethod) else None
 
 
-def _materialize_futures(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _materialize_futures(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """New args/kwargs with every top-level DataProtoFuture replaced by its ``.get()``."""
     DataProtoFuture = _future_type()
     if DataProtoFuture is None:

@@ -118,7 +118,9 @@ class DataProtoFuture:
             and not self.pad_size
         ):
             return [replace(self, futures=[f]) for f in self.futures]
-        return [replace(self, dispatch_fn=partial(_take_chunk, index=i, chunks=chunks)) for i in range(chunks)]
+        return [
+            replace(self, dispatch_fn=partial(_take_chunk, index=i, chunks=chunks)) for i in range(chunks)
+        ]
 
     @property
     def transform(self) -> Callable[[list], Any]:

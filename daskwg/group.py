@@ -176,7 +176,9 @@ class _Driver:
             self.server_ids[slot.address].add(slot.server_id)
             if slot.address not in self.watched:
                 self.watched.add(slot.address)
-                self.client.subscribe_topic(slot.address, functools.partial(self._on_worker_event, slot.address))
+                self.client.subscribe_topic(
+                    slot.address, functools.partial(self._on_worker_event, slot.address)
+                )
 
     def _on_worker_event(self, address: str, event: tuple) -> None:
         _, msg = event
@@ -193,7 +195,9 @@ class _Driver:
                 # state) in a plain future.result(): cancel it, saying why.
                 asyncio.ensure_future(
                     self.client._cancel(
-                        orphans, reason="worker-lost", msg=f"WorkerLostError: the worker {address} was lost ({reason})"
+                        orphans,
+                        reason="worker-lost",
+                        msg=f"WorkerLostError: the worker {address} was lost ({reason})",
                     )
                 )
             self.paused.pop(address, None)
@@ -370,7 +374,10 @@ class WorkerGroup:
                 pool = ResourcePool(client, world_size=world_size, workers=pool.workers)
         else:
             pool = ResourcePool(
-                client, world_size=world_size, workers=workers, resources=dict(resources) if resources else None
+                client,
+                world_size=world_size,
+                workers=workers,
+                resources=dict(resources) if resources else None,
             )
 
         self._client = client
@@ -409,12 +416,18 @@ class WorkerGroup:
                 }
             )
         payloads = [
-            {"cls": cls_with_init, "env": e, "detached": detached, "world_size": self.world_size} for e in envs
+            {"cls": cls_with_init, "env": e, "detached": detached, "world_size": self.world_size}
+            for e in envs
         ]
         ranks = list(range(self.world_size))
         try:
             self._send(
-                "__init__", ranks, payloads, blocking=True, raw_payload=True, settle=self._init_settle_seconds()
+                "__init__",
+                ranks,
+                payloads,
+                blocking=True,
+                raw_payload=True,
+                settle=self._init_settle_seconds(),
             )
         except BaseException:
             self._destroy_ranks()
@@ -513,7 +526,9 @@ class WorkerGroup:
         role_groups = self.spawn(prefix_set)
         for role in role_groups:
             if role in self._methods or hasattr(type(self), role) or role in _RESERVED:
-                raise ValueError(f"role {role!r} clashes with the attribute {role!r} of the group; rename the role")
+                raise ValueError(
+                    f"role {role!r} clashes with the attribute {role!r} of the group; rename the role"
+                )
         for role, role_group in role_groups.items():
             setattr(self, role, role_group)
 
@@ -555,7 +570,9 @@ class WorkerGroup:
             if cls is not None and hasattr(cls, item)
             else f"{cls_name} has no method {item!r}"
         )
-        raise AttributeError(f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}")
+        raise AttributeError(
+            f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}"
+        )
 
     @classmethod
     def attach(cls, client: Client, name: str) -> WorkerGroup:
@@ -677,7 +694,9 @@ class WorkerGroup:
                     self._name,
                     stuck,
                 )
-                fire_and_forget(self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False))
+                fire_and_forget(
+                    self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False)
+                )
             if alive:
                 self._send("__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0)
         except WorkerGroupError as exc:
@@ -705,9 +724,7 @@ class WorkerGroup:
 
         rank_zero_only = registered.execute_mode == Execute.RANK_ZERO
         ranks = [0] if rank_zero_only else list(range(self.world_size))
-        payloads = [
-            (tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks
-        ]
+        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
         outputs = self._send(method_name, ranks, payloads, blocking=registered.blocking)
         from .protocol import DataProto
 
@@ -745,7 +762,9 @@ class WorkerGroup:
 
     def _check_usable(self, method_name: str) -> None:
         if self._closed:
-            raise GroupBrokenError(f"group {self._name!r} was shut down; build a new one to call {method_name!r}")
+            raise GroupBrokenError(
+                f"group {self._name!r} was shut down; build a new one to call {method_name!r}"
+            )
         self._settle()
         if self._broken is not None:
             raise self._broken
@@ -851,7 +870,9 @@ class WorkerGroup:
             return self._gather(futures, method_name, grace)
         return futures
 
-    async def _send_direct(self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool) -> list:
+    async def _send_direct(
+        self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool
+    ) -> list:
         """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
 
         ``pool`` is a Dask ``ConnectionPool``: the client's (on the client's event loop)
@@ -901,7 +922,10 @@ class WorkerGroup:
                 # tasks cannot tell when these ranks finish: ask their workers instead.
                 # The tasks stay on that loop and finish whenever it runs again (their
                 # error handling must still run: e.g. giving up an undelivered call's place).
-                pending = [(c.rank, _CallWatch(self._driver, self._slots[c.rank].address, c.seq)) for c, _ in pending_calls]
+                pending = [
+                    (c.rank, _CallWatch(self._driver, self._slots[c.rank].address, c.seq))
+                    for c, _ in pending_calls
+                ]
             exc = first.exception()
             if pending and isinstance(exc, RankError):
                 self._unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)
@@ -934,9 +958,7 @@ class WorkerGroup:
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.
             for call in calls[len(futures) :]:
-                self._client.loop.add_callback(
-                    self._send_skip, self._slots[call.rank].address, [call.seq]
-                )
+                self._client.loop.add_callback(self._send_skip, self._slots[call.rank].address, [call.seq])
             raise
         return futures
 
@@ -1017,7 +1039,9 @@ class WorkerGroup:
         if future.status == "cancelled":
             if rank is not None and self._slots[rank].server_id in self._driver.lost:
                 slot = self._slots[rank]
-                self._broken = self._broken or WorkerLostError(rank, slot.address, self._driver.lost[slot.server_id])
+                self._broken = self._broken or WorkerLostError(
+                    rank, slot.address, self._driver.lost[slot.server_id]
+                )
                 return self._broken
             return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
         exc = future.exception()
@@ -1083,8 +1107,14 @@ def _check_worker_env(worker_env: Mapping[str, str] | None) -> dict[str, str]:
 
 def _check_per_rank(value: Any, world_size: int, what: str) -> None:
     if not isinstance(value, (list, tuple)) or len(value) != world_size:
-        got = f"a {type(value).__name__} of length {len(value)}" if hasattr(value, "__len__") else type(value).__name__
-        raise DispatchError(f"{what}: the dispatch function must give one value per rank ({world_size}), got {got}")
+        got = (
+            f"a {type(value).__name__} of length {len(value)}"
+            if hasattr(value, "__len__")
+            else type(value).__name__
+        )
+        raise DispatchError(
+            f"{what}: the dispatch function must give one value per rank ({world_size}), got {got}"
+        )
 
 
 def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:

@@ -167,7 +167,9 @@ class _Sequencer:
                 self._executor.submit(self._done, state.session, seq)
             elif seq in state.pending:
                 fn, result = state.pending.pop(seq)
-                self._executor.submit(_run_into, fn, result, functools.partial(self._done, state.session, seq))
+                self._executor.submit(
+                    _run_into, fn, result, functools.partial(self._done, state.session, seq)
+                )
             else:
                 return
             state.next_seq += 1
@@ -239,7 +241,9 @@ class HostPlugin(WorkerPlugin):
                 )
             )
             return failed
-        return self._sequencer.submit(call.session, call.seq, lambda: self._execute(call, payload, lazy_values))
+        return self._sequencer.submit(
+            call.session, call.seq, lambda: self._execute(call, payload, lazy_values)
+        )
 
     async def _handle_call(self, call: tuple, payload: dict) -> dict:
         """The direct path: run one call (``Call`` fields as a plain tuple, arguments
@@ -254,7 +258,9 @@ class HostPlugin(WorkerPlugin):
                 f"the arguments of {call.method!r} could not be unpickled on this worker: {exc}; the workers "
                 "must be able to import every class and function sent to them (install its module there)"
             )
-            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), _with_message(exc, hint))
+            error = RankError(
+                call.rank, self.address, call.method, traceback.format_exc(), _with_message(exc, hint)
+            )
             return {"status": "error", "exception": to_serialize(error)}
         cfut = self.enqueue(call, args)
         try:
@@ -264,7 +270,9 @@ class HostPlugin(WorkerPlugin):
         try:
             packed = serialization.pack(result)
         except Exception as exc:  # noqa: BLE001 - _check_picklable lets some through
-            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc))
+            error = RankError(
+                call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
+            )
             return {"status": "error", "exception": to_serialize(error)}
         return {"status": "OK", "result": packed}
 
@@ -377,7 +385,9 @@ class HostPlugin(WorkerPlugin):
             # Only the owner (or a driver attached to a detached group, which calls as
             # the owner) may tear a group down.
             if hosted.owner != call.owner:
-                raise PermissionError(f"group {call.group_name!r} belongs to another driver; attach to it by name")
+                raise PermissionError(
+                    f"group {call.group_name!r} belongs to another driver; attach to it by name"
+                )
             self._hosted.pop((call.group_id, call.rank))
         port = hosted.env.get("MASTER_PORT")
         if port is not None and call.rank == 0:
@@ -395,7 +405,9 @@ class HostPlugin(WorkerPlugin):
                 "the group was shut down, its driver left, or this worker restarted"
             )
         if hosted.owner != call.owner:
-            raise PermissionError(f"group {call.group_name!r} belongs to another driver; attach to it by name")
+            raise PermissionError(
+                f"group {call.group_name!r} belongs to another driver; attach to it by name"
+            )
         return hosted
 
     def _invoke(self, call: Call, payload: tuple, lazy_values: list | None) -> Any:
@@ -408,9 +420,7 @@ class HostPlugin(WorkerPlugin):
         try:
             method = getattr(hosted.instance, call.method)
         except AttributeError:
-            raise AttributeError(
-                f"{type(hosted.instance).__name__} has no method {call.method!r}"
-            ) from None
+            raise AttributeError(f"{type(hosted.instance).__name__} has no method {call.method!r}") from None
         result = method(*args, **kwargs)
         if inspect.isawaitable(result):
             if self._loop is None:
@@ -432,7 +442,9 @@ class HostPlugin(WorkerPlugin):
                     sock.bind((host, port or 0))
                 except OSError as exc:
                     if port:
-                        raise OSError(f"MASTER_PORT {port} is already in use on {host}: {exc.strerror}") from None
+                        raise OSError(
+                            f"MASTER_PORT {port} is already in use on {host}: {exc.strerror}"
+                        ) from None
                     raise
                 chosen = sock.getsockname()[1]
             if port or chosen not in self._reserved_ports:

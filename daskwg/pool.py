@@ -201,7 +201,9 @@ class ResourcePool:
             sizes = [sizes] * (self.world_size // sizes)
         sizes = list(sizes)
         if any(not isinstance(s, int) or s < 1 for s in sizes) or sum(sizes) != self.world_size:
-            raise ValueError(f"split sizes {sizes} must be positive ints summing to world_size {self.world_size}")
+            raise ValueError(
+                f"split sizes {sizes} must be positive ints summing to world_size {self.world_size}"
+            )
         out, start = [], 0
         for size in sizes:
             out.append(ResourcePool(self.client, _slots=self._slots[start : start + size]))

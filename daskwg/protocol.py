@@ -62,7 +62,9 @@ class _DataProtoConfigMeta(type):
     @auto_padding.setter
     def auto_padding(cls, enabled: bool) -> None:
         if not isinstance(enabled, bool):
-            raise TypeError(f"DataProtoConfig.auto_padding takes a bool, got {enabled!r} ({type(enabled).__name__})")
+            raise TypeError(
+                f"DataProtoConfig.auto_padding takes a bool, got {enabled!r} ({type(enabled).__name__})"
+            )
         cls._config[cls.auto_padding_key] = enabled
 
 
@@ -112,10 +114,14 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
 def _as_non_tensor(key: str, value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
-            raise ValueError(f"non_tensors[{key!r}] is a 0-d array; give one value per row (shape [batch, ...])")
+            raise ValueError(
+                f"non_tensors[{key!r}] is a 0-d array; give one value per row (shape [batch, ...])"
+            )
         return value
     if isinstance(value, torch.Tensor):
-        raise TypeError(f"non_tensors[{key!r}] is a torch.Tensor; pass tensors in `tensors`, not `non_tensors`")
+        raise TypeError(
+            f"non_tensors[{key!r}] is a torch.Tensor; pass tensors in `tensors`, not `non_tensors`"
+        )
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
         raise TypeError(
             f"non_tensors[{key!r}] must be a numpy array or a sequence with one value per row, "
@@ -383,7 +389,9 @@ class DataProto:
 
     @classmethod
     def from_single_dict(
-        cls, data: dict[str, torch.Tensor | np.ndarray], meta_info: dict[str, Any] | None = None,
+        cls,
+        data: dict[str, torch.Tensor | np.ndarray],
+        meta_info: dict[str, Any] | None = None,
         auto_padding: bool = False,
     ) -> DataProto:
         """Build a DataProto from one dict, routing tensors to ``batch`` and numpy arrays to
@@ -404,7 +412,9 @@ class DataProto:
                     f"data[{key!r}] is a {type(value).__name__}; from_single_dict takes torch.Tensor or "
                     "np.ndarray values (use from_dict for lists)"
                 )
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
+        return cls.from_dict(
+            tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding
+        )
 
     def check_consistency(self) -> None:
         """Check the types and that every field has the same number of rows.
@@ -419,7 +429,9 @@ class DataProto:
         n = None
         if self.batch is not None:
             if not isinstance(self.batch, TensorDictBase):
-                raise TypeError(f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}")
+                raise TypeError(
+                    f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}"
+                )
             if len(self.batch.batch_size) != 1:
                 raise ValueError(
                     f"DataProto.batch must have exactly one batch dim, got batch_size={list(self.batch.batch_size)}"
@@ -586,7 +598,9 @@ class DataProto:
             KeyError: a key is missing; nothing is removed in that case.
         """
         batch_keys, non_tensor_batch_keys, meta_info_keys = (
-            list(batch_keys or []), list(non_tensor_batch_keys or []), list(meta_info_keys or [])
+            list(batch_keys or []),
+            list(non_tensor_batch_keys or []),
+            list(meta_info_keys or []),
         )
         have = set(self.batch.keys()) if self.batch is not None else set()
         for part, keys, present in (
@@ -612,6 +626,7 @@ class DataProto:
             ValueError: the two lists differ in length.
             KeyError: an old key exists in neither part.
         """
+
         def as_list(keys: Any, name: str) -> list[str]:
             if isinstance(keys, str):
                 return [keys]
@@ -654,10 +669,14 @@ class DataProto:
                     raise ValueError(f"cannot union: batch key {key!r} differs between the two DataProtos")
         for key, value in other.non_tensor_batch.items():
             if key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value):
-                raise ValueError(f"cannot union: non_tensor_batch key {key!r} differs between the two DataProtos")
+                raise ValueError(
+                    f"cannot union: non_tensor_batch key {key!r} differs between the two DataProtos"
+                )
         for key, value in other.meta_info.items():
             if key in self.meta_info and not _values_equal(self.meta_info[key], value):
-                raise ValueError(f"cannot union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})")
+                raise ValueError(
+                    f"cannot union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})"
+                )
         if other.batch is not None:
             if self.batch is None:
                 self.batch = other.batch
@@ -770,14 +789,18 @@ class DataProto:
             for i, part in enumerate(parts[1:], start=1):
                 keys = set(part.batch.keys(True, True))
                 if keys != keys0:
-                    raise ValueError(f"DataProto.concat: part {i} has batch keys {sorted(map(str, keys))}, "
-                                     f"part 0 has {sorted(map(str, keys0))}")
+                    raise ValueError(
+                        f"DataProto.concat: part {i} has batch keys {sorted(map(str, keys))}, "
+                        f"part 0 has {sorted(map(str, keys0))}"
+                    )
             batch = torch.cat([p.batch for p in parts], dim=0)
         keys0 = list(parts[0].non_tensor_batch)
         for i, part in enumerate(parts[1:], start=1):
             if set(part.non_tensor_batch) != set(keys0):
-                raise ValueError(f"DataProto.concat: part {i} has non-tensor keys {sorted(part.non_tensor_batch)}, "
-                                 f"part 0 has {sorted(keys0)}")
+                raise ValueError(
+                    f"DataProto.concat: part {i} has non-tensor keys {sorted(part.non_tensor_batch)}, "
+                    f"part 0 has {sorted(keys0)}"
+                )
         non_tensor = {key: np.concatenate([p.non_tensor_batch[key] for p in parts], axis=0) for key in keys0}
 
         meta: dict[str, Any] = {}
@@ -846,7 +869,9 @@ class DataProto:
         else:
             times = np.asarray(list(repeat_times) if isinstance(repeat_times, tuple) else repeat_times)
         if times.ndim != 1 or times.shape[0] != len(self):
-            raise ValueError(f"repeat_times must have one entry per row ({len(self)}), got shape {times.shape}")
+            raise ValueError(
+                f"repeat_times must have one entry per row ({len(self)}), got shape {times.shape}"
+            )
         if times.size and (times.dtype.kind not in "iu" or times.min() < 0):
             raise ValueError(f"repeat_times must be non-negative ints, got {times.tolist()}")
         return self.select_idxs(np.repeat(np.arange(len(self)), times.astype(np.int64)))
@@ -873,17 +898,20 @@ class DataProto:
 
         def cut_columns(key: str, value: Any) -> Any:
             if value.ndim < 2 or value.shape[1] % n_split:
-                raise ValueError(f"{key!r} has shape {tuple(value.shape)}; dim 1 must be divisible by {n_split}")
+                raise ValueError(
+                    f"{key!r} has shape {tuple(value.shape)}; dim 1 must be divisible by {n_split}"
+                )
             return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])
 
         def cut_elements(key: str, value: np.ndarray) -> np.ndarray:
             pieces = []
             for element in value:
                 if len(element) % n_split:
-                    raise ValueError(f"{key!r} holds an element of length {len(element)}, "
-                                     f"not divisible by {n_split}")
+                    raise ValueError(
+                        f"{key!r} holds an element of length {len(element)}, not divisible by {n_split}"
+                    )
                 width = len(element) // n_split
-                pieces.extend(element[j * width:(j + 1) * width] for j in range(n_split))
+                pieces.extend(element[j * width : (j + 1) * width] for j in range(n_split))
             return _object_array(pieces)
 
         batch = None
@@ -915,13 +943,16 @@ class DataProto:
         """
         n = len(self)
         if new_batch_size < 1 or n % new_batch_size:
-            raise ValueError(f"cannot fold {n} rows into {new_batch_size} groups; {n} must be a multiple of it")
+            raise ValueError(
+                f"cannot fold {n} rows into {new_batch_size} groups; {n} must be a multiple of it"
+            )
         batch = None
         if self.batch is not None:
             batch = self.batch.reshape(new_batch_size, -1)
             batch.batch_size = torch.Size([new_batch_size])
         non_tensor = {
-            k: v.reshape(new_batch_size, n // new_batch_size, *v.shape[1:]) for k, v in self.non_tensor_batch.items()
+            k: v.reshape(new_batch_size, n // new_batch_size, *v.shape[1:])
+            for k, v in self.non_tensor_batch.items()
         }
         return self._derive(batch, non_tensor)
 
@@ -950,7 +981,9 @@ class DataProto:
     def is_padding_enabled(self) -> bool:
         """True when this DataProto was built with ``auto_padding=True`` or
         ``DataProtoConfig.auto_padding`` is on. Mirrors verl's ``is_padding_enabled``."""
-        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+        return (
+            bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+        )
 
     def padding(self, padding_size: int, padding_candidate: str = "") -> DataProto:
         """Return a copy with ``padding_size`` extra rows appended.
@@ -1014,8 +1047,10 @@ class DataProto:
         """
         n = len(self)
         if mini_batch_size < 1 or n % mini_batch_size:
-            raise ValueError(f"{n} rows cannot be cut into mini-batches of {mini_batch_size}; "
-                             "choose a mini_batch_size that divides the batch")
+            raise ValueError(
+                f"{n} rows cannot be cut into mini-batches of {mini_batch_size}; "
+                "choose a mini_batch_size that divides the batch"
+            )
         if dataloader_kwargs is not None and not isinstance(dataloader_kwargs, dict):
             raise TypeError(f"dataloader_kwargs must be a dict, got {type(dataloader_kwargs).__name__}")
         kwargs = dict(dataloader_kwargs or {})
@@ -1075,8 +1110,10 @@ class DataProto:
                 if isinstance(t, torch.Tensor)
             )
         array_bytes = sum(a.nbytes for a in self.non_tensor_batch.values())
-        message = (f"Size of tensordict: {tensor_bytes / 1024**3} GB, "
-                   f"size of non_tensor_batch: {array_bytes / 1024**3} GB")
+        message = (
+            f"Size of tensordict: {tensor_bytes / 1024**3} GB, "
+            f"size of non_tensor_batch: {array_bytes / 1024**3} GB"
+        )
         print(f"{prefix}, {message}" if prefix else message)
 
     # ------------------------------------------------------------------ pickling
@@ -1094,8 +1131,12 @@ class DataProto:
         non-strided tensors, and TensorDict subclasses, fall back to their own pickling.
         """
         batch = None if self.batch is None else _encode_tensordict(self.batch)
-        return {"version": _STATE_VERSION, "batch": batch,
-                "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+        return {
+            "version": _STATE_VERSION,
+            "batch": batch,
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:

@@ -52,7 +52,12 @@ def gpu_spec_cluster(devices: list[str], **worker_options) -> SpecCluster:
     workers = {
         f"w{i}": {
             "cls": Nanny,
-            "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": dev}, "dashboard_address": ":0", **worker_options},
+            "options": {
+                "nthreads": 1,
+                "env": {"CUDA_VISIBLE_DEVICES": dev},
+                "dashboard_address": ":0",
+                **worker_options,
+            },
         }
         for i, dev in enumerate(devices)
     }
@@ -74,24 +79,60 @@ def dask_cli() -> list[str]:
 class CLICluster:
     """``dask scheduler`` and ``dask worker`` started as separate processes."""
 
-    def __init__(self, n_workers: int, extra_scheduler: list[str] = (), extra_worker: list[str] = (),
-                 host: str = "127.0.0.1", protocol: str = "tcp"):
+    def __init__(
+        self,
+        n_workers: int,
+        extra_scheduler: list[str] = (),
+        extra_worker: list[str] = (),
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+    ):
         port = free_port()
         url_host = f"[{host}]" if ":" in host else host
         self.address = f"{protocol}://{url_host}:{port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+        }
         self.procs = [
             subprocess.Popen(
-                [*dask_cli(), "scheduler", "--host", host, "--port", str(port), "--dashboard-address", ":0",
-                 "--protocol", protocol, *extra_scheduler],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    *dask_cli(),
+                    "scheduler",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--dashboard-address",
+                    ":0",
+                    "--protocol",
+                    protocol,
+                    *extra_scheduler,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         ]
         self.procs.append(
             subprocess.Popen(
-                [*dask_cli(), "worker", self.address, "--nworkers", str(n_workers), "--nthreads", "1",
-                 "--dashboard-address", ":0", "--host", host, *extra_worker],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    *dask_cli(),
+                    "worker",
+                    self.address,
+                    "--nworkers",
+                    str(n_workers),
+                    "--nthreads",
+                    "1",
+                    "--dashboard-address",
+                    ":0",
+                    "--host",
+                    host,
+                    *extra_worker,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         )
 

@@ -164,7 +164,9 @@ class HybridWorker(ColocatedWorker):
     """verl's fused-worker pattern: a colocated class with a method that uses two roles."""
 
     def __init__(self):
-        super().__init__({"actor": ClassWithInitArgs(FusedActor), "critic": ClassWithInitArgs(FusedCritic, val=10)})
+        super().__init__(
+            {"actor": ClassWithInitArgs(FusedActor), "critic": ClassWithInitArgs(FusedCritic, val=10)}
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def foo(self, x):
@@ -350,9 +352,7 @@ class ModeWorker(Worker):
     # ---- materialize_futures
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def kind_of_argument(self, data) -> DataProto:
-        return DataProto.from_dict(
-            {"is_dataproto": torch.full((len(data),), isinstance(data, DataProto))}
-        )
+        return DataProto.from_dict({"is_dataproto": torch.full((len(data),), isinstance(data, DataProto))})
 
     # ---- meshes (verl's test_device_mesh_register)
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("infer"))
@@ -390,7 +390,6 @@ class ModeWorker(Worker):
         pp, dp, tp = train_mesh(self.rank)
         data["a"] += (tp + 1) * (dp + 2) * (pp + 3)
         return data
-
 
 
 # ---------------------------------------------------------------- verl's single_controller tests

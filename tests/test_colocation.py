@@ -30,7 +30,10 @@ def _batch(rows: int = 10) -> DataProto:
 
 @pytest.fixture(scope="module")
 def colocated(cluster4):
-    with Client(cluster4) as client, WorkerGroup(client, create_colocated_worker_cls(ROLES), world_size=4) as wg:
+    with (
+        Client(cluster4) as client,
+        WorkerGroup(client, create_colocated_worker_cls(ROLES), world_size=4) as wg,
+    ):
         yield client, wg
 
 
@@ -41,9 +44,10 @@ def test_colocated_roles_give_bit_identical_outputs_to_standalone_groups(colocat
     client, wg = colocated
     roles = wg.spawn(["policy", "value"])
     data = _batch()
-    with WorkerGroup(client, ROLES["policy"], world_size=4) as policy, WorkerGroup(
-        client, ROLES["value"], world_size=4
-    ) as value:
+    with (
+        WorkerGroup(client, ROLES["policy"], world_size=4) as policy,
+        WorkerGroup(client, ROLES["value"], world_size=4) as value,
+    ):
         expected_policy = policy.forward(data).batch["y"]
         expected_value = value.forward(data).batch["y"]
     torch.testing.assert_close(roles["policy"].forward(data).batch["y"], expected_policy, rtol=0, atol=0)
@@ -159,9 +163,10 @@ def test_split_gives_sub_pools_of_consecutive_workers(client4):
 def test_groups_on_split_pools_restart_ranks_at_zero(client4):
     pool = ResourcePool(client4, world_size=4)
     left, right = pool.split([2, 2])
-    with WorkerGroup(client4, ClassWithInitArgs(EnvWorker, tag=0), workers=left) as g1, WorkerGroup(
-        client4, ClassWithInitArgs(EnvWorker, tag=100), workers=right
-    ) as g2:
+    with (
+        WorkerGroup(client4, ClassWithInitArgs(EnvWorker, tag=0), workers=left) as g1,
+        WorkerGroup(client4, ClassWithInitArgs(EnvWorker, tag=100), workers=right) as g2,
+    ):
         assert g2.workers == pool.workers[2:]
         assert [e["RANK"] for e in g2.env()] == ["0", "1"]
         assert {e["WORLD_SIZE"] for e in g2.env()} == {"2"}
@@ -172,7 +177,10 @@ def test_groups_on_split_pools_restart_ranks_at_zero(client4):
 
 def test_groups_on_one_pool_share_worker_processes(client4):
     pool = ResourcePool(client4, world_size=4)
-    with WorkerGroup(client4, EnvWorker, workers=pool) as g1, WorkerGroup(client4, EnvWorker, workers=pool) as g2:
+    with (
+        WorkerGroup(client4, EnvWorker, workers=pool) as g1,
+        WorkerGroup(client4, EnvWorker, workers=pool) as g2,
+    ):
         assert [e["pid"] for e in g1.env()] == [e["pid"] for e in g2.env()]
         assert len({e["pid"] for e in g1.env()}) == 4
 

@@ -81,7 +81,9 @@ class InProcessGroup:
         rank_kwargs.pop(PADDING_SIZE_KEY, None)
         outputs = []
         for rank, worker in enumerate(self.ranks):
-            sent = pickle.loads(pickle.dumps(([a[rank] for a in rank_args], {k: v[rank] for k, v in rank_kwargs.items()})))
+            sent = pickle.loads(
+                pickle.dumps(([a[rank] for a in rank_args], {k: v[rank] for k, v in rank_kwargs.items()}))
+            )
             outputs.append(getattr(worker, method_name)(*sent[0], **sent[1]))
         return fns["collect_fn"](self, outputs)
 
@@ -473,7 +475,10 @@ def test_dp_compute_proto_collect_concatenates_data_protos_in_rank_order():
 
 
 def test_dp_compute_proto_collect_concatenates_tensordicts():
-    parts = [TensorDict({"a": torch.tensor([0])}, batch_size=[1]), TensorDict({"a": torch.tensor([1])}, batch_size=[1])]
+    parts = [
+        TensorDict({"a": torch.tensor([0])}, batch_size=[1]),
+        TensorDict({"a": torch.tensor([1])}, batch_size=[1]),
+    ]
     out = collect(Dispatch.DP_COMPUTE_PROTO, FakeGroup(2), parts)
     assert out["a"].tolist() == [0, 1]
 
@@ -543,7 +548,9 @@ class MeshWorker(Worker):
         rank = self.rank
         self.infer = {"dp": rank // 4, "tp": rank % 4}
         self.train = {"pp": rank // 4, "dp": rank // 2 % 2, "tp": rank % 2}
-        self._register_dispatch_collect_info("infer", dp_rank=self.infer["dp"], is_collect=self.infer["tp"] == 0)
+        self._register_dispatch_collect_info(
+            "infer", dp_rank=self.infer["dp"], is_collect=self.infer["tp"] == 0
+        )
         self._register_dispatch_collect_info(
             "train", dp_rank=self.train["dp"], is_collect=self.train["tp"] == 0 and self.train["pp"] == 1
         )
@@ -606,7 +613,9 @@ def test_mesh_dispatch_gives_each_rank_the_piece_of_its_dp_rank():
 
 def test_mesh_collect_keeps_collect_ranks_in_rank_order():
     group = FakeGroup(4, collect={"m": [False, True, False, True]})
-    out = make_nd_compute_dataproto_dispatch_fn("m")["collect_fn"](group, [rows(0), rows(1), rows(2), rows(3)])
+    out = make_nd_compute_dataproto_dispatch_fn("m")["collect_fn"](
+        group, [rows(0), rows(1), rows(2), rows(3)]
+    )
     assert column(out) == [1, 3]
 
 

@@ -38,7 +38,12 @@ TESTS_DIR = os.path.dirname(__file__)
 
 def _small_cluster(n: int, **kwargs) -> LocalCluster:
     return LocalCluster(
-        n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0", worker_dashboard_address=":0", **kwargs
+        n_workers=n,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=":0",
+        **kwargs,
     )
 
 
@@ -55,7 +60,9 @@ def _kill_later(pid: int, delay: float, record: dict) -> threading.Thread:
 
 def _hosted_groups(client: Client) -> dict[str, list]:
     def info(dask_worker):
-        return dask_worker.plugins["daskwg"]._handle_info()["groups"] if "daskwg" in dask_worker.plugins else []
+        return (
+            dask_worker.plugins["daskwg"]._handle_info()["groups"] if "daskwg" in dask_worker.plugins else []
+        )
 
     return client.run(info)
 
@@ -94,7 +101,9 @@ def test_worker_killed_during_a_non_blocking_call_raises_worker_lost():
         _kill_later(pids[1], 1.0, killed)
         with pytest.raises(WorkerLostError) as info:
             wg._gather(futures, "sleep_async")
-        print(f"\n[detect] non-blocking call (gather), SIGKILL -> WorkerLostError: {time.monotonic() - killed['t']:.3f} s")
+        print(
+            f"\n[detect] non-blocking call (gather), SIGKILL -> WorkerLostError: {time.monotonic() - killed['t']:.3f} s"
+        )
         assert (info.value.rank, info.value.address) == (1, wg.workers[1])
         # A plain Dask future of the lost rank does not wait forever either.
         with pytest.raises(FutureCancelledError, match="WorkerLostError"):
@@ -118,7 +127,10 @@ def test_data_proto_future_of_a_lost_worker_raises_worker_lost():
 def _fixed_port_cluster(n: int) -> SpecCluster:
     # Fixed worker ports: a restarted worker comes back at the same address.
     workers = {
-        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "worker_port": free_port(), "dashboard_address": ":0"}}
+        f"w{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "worker_port": free_port(), "dashboard_address": ":0"},
+        }
         for i in range(n)
     }
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}})
@@ -254,7 +266,9 @@ def test_inconsistent_visible_devices_fail_group_creation_naming_the_worker():
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
         wait_for_workers(client, 2)
-        with pytest.raises(RankError, match="HIP_VISIBLE_DEVICES='0' and CUDA_VISIBLE_DEVICES='1' disagree") as info:
+        with pytest.raises(
+            RankError, match="HIP_VISIBLE_DEVICES='0' and CUDA_VISIBLE_DEVICES='1' disagree"
+        ) as info:
             WorkerGroup(client, FaultWorker, world_size=2)
         assert info.value.rank == 1
         assert info.value.address in str(info.value)
@@ -302,7 +316,9 @@ def test_tensors_of_every_dtype_round_trip_exactly(client4, dtype):
         for value in (t, t[:, ::2], t.T, t[:0]):
             (out,) = wg.echo(value)
             assert out.dtype == dtype and out.shape == value.shape and torch.equal(out, value)
-        data = DataProto.from_dict({"x": t}, non_tensors={"o": np.array([{"k": 1}, "s", None, [2]], dtype=object)})
+        data = DataProto.from_dict(
+            {"x": t}, non_tensors={"o": np.array([{"k": 1}, "s", None, [2]], dtype=object)}
+        )
         for out in (wg.echo_proto(data), wg.echo_proto_async(data).get()):
             assert torch.equal(out.batch["x"], t)
             assert list(out.non_tensor_batch["o"]) == [{"k": 1}, "s", None, [2]]
@@ -311,9 +327,11 @@ def test_tensors_of_every_dtype_round_trip_exactly(client4, dtype):
 @pytest.mark.timeout(180)
 def test_a_one_gib_batch_round_trips_exactly():
     # A cluster of its own: a worker over its memory limit is restarted by its Nanny.
-    with _small_cluster(1, memory_limit="8GiB") as cluster, Client(cluster) as client, WorkerGroup(
-        client, FaultWorker, world_size=1
-    ) as wg:
+    with (
+        _small_cluster(1, memory_limit="8GiB") as cluster,
+        Client(cluster) as client,
+        WorkerGroup(client, FaultWorker, world_size=1) as wg,
+    ):
         (out,) = wg.ones(1 << 30)
         assert out.dtype == torch.uint8 and out.numel() == 1 << 30
         out[::4096] = 7

@@ -83,7 +83,10 @@ def test_every_rank_sees_its_rank_environment(group):
 
 
 def test_two_groups_get_different_master_ports(client4):
-    with WorkerGroup(client4, AddWorker, world_size=4) as a, WorkerGroup(client4, AddWorker, world_size=4) as b:
+    with (
+        WorkerGroup(client4, AddWorker, world_size=4) as a,
+        WorkerGroup(client4, AddWorker, world_size=4) as b,
+    ):
         port_a = a.environment()[0]["MASTER_PORT"]
         port_b = b.environment()[0]["MASTER_PORT"]
     assert port_a != port_b

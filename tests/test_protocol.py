@@ -32,7 +32,9 @@ def abc_data() -> DataProto:
 
 def rows(n: int) -> DataProto:
     """n rows whose tensor and non-tensor fields both name the row: obs=i, tag='r{i}'."""
-    return DataProto.from_dict(tensors={"obs": torch.arange(n)}, non_tensors={"tag": [f"r{i}" for i in range(n)]})
+    return DataProto.from_dict(
+        tensors={"obs": torch.arange(n)}, non_tensors={"tag": [f"r{i}" for i in range(n)]}
+    )
 
 
 def tags(data: DataProto) -> list[str]:
@@ -51,8 +53,10 @@ def test_from_dict_takes_batch_size_from_dim0():
 @pytest.mark.parametrize("num_batch_dims", [2, 3])
 def test_from_dict_rejects_more_than_one_batch_dim(num_batch_dims):
     with pytest.raises(ValueError, match="num_batch_dims"):
-        DataProto.from_dict(tensors={"obs": torch.randn(100, 10), "act": torch.randn(100, 10, 3)},
-                            num_batch_dims=num_batch_dims)
+        DataProto.from_dict(
+            tensors={"obs": torch.randn(100, 10), "act": torch.randn(100, 10, 3)},
+            num_batch_dims=num_batch_dims,
+        )
 
 
 def test_from_dict_rejects_tensors_of_different_lengths_naming_both():
@@ -73,8 +77,9 @@ def test_from_dict_rejects_a_tensor_given_as_non_tensor():
 def test_from_dict_does_not_modify_its_arguments():
     non_tensors = {"labels": ["a", "b"]}
     meta_info = {"k": 1}
-    DataProto.from_dict(tensors={"obs": torch.zeros(2)}, non_tensors=non_tensors, meta_info=meta_info,
-                        auto_padding=True)
+    DataProto.from_dict(
+        tensors={"obs": torch.zeros(2)}, non_tensors=non_tensors, meta_info=meta_info, auto_padding=True
+    )
     assert non_tensors == {"labels": ["a", "b"]}
     assert meta_info == {"k": 1}
 
@@ -94,7 +99,9 @@ def test_equal_length_lists_stay_one_dimensional_object_arrays():
 
 
 def test_equal_length_lists_stay_one_dimensional_through_every_operation():
-    data = DataProto.from_dict(tensors={"obs": torch.arange(3)}, non_tensors={"pairs": [[1, 2], [3, 4], [5, 6]]})
+    data = DataProto.from_dict(
+        tensors={"obs": torch.arange(3)}, non_tensors={"pairs": [[1, 2], [3, 4], [5, 6]]}
+    )
     results = {
         "concat": DataProto.concat([data, data]),
         "index": data[[2, 0]],
@@ -114,7 +121,9 @@ def test_equal_length_lists_stay_one_dimensional_through_every_operation():
 
 
 def test_from_single_dict_routes_tensors_and_arrays():
-    data = DataProto.from_single_dict({"obs": torch.zeros(2, 3), "labels": np.array(["a", "b"], dtype=object)})
+    data = DataProto.from_single_dict(
+        {"obs": torch.zeros(2, 3), "labels": np.array(["a", "b"], dtype=object)}
+    )
     assert list(data.batch.keys()) == ["obs"]
     assert list(data.non_tensor_batch) == ["labels"]
 
@@ -150,7 +159,9 @@ def test_len_counts_tensor_rows():
 
 def test_len_uses_non_tensors_when_there_are_no_tensors():
     labels = np.array(["a", "b", "c"], dtype=object)
-    assert len(DataProto(batch=None, non_tensor_batch={"labels": labels}, meta_info={"info": "test_info"})) == 3
+    assert (
+        len(DataProto(batch=None, non_tensor_batch={"labels": labels}, meta_info={"info": "test_info"})) == 3
+    )
 
 
 @pytest.mark.parametrize("non_tensor_batch", [{}, None])
@@ -160,8 +171,10 @@ def test_len_of_empty_dataproto_is_zero(non_tensor_batch):
 
 def test_repr_lists_fields_not_values():
     text = repr(abc_data())
-    assert text == "DataProto(len=3, batch={obs: int64[3, 2] cpu}, non_tensor_batch={labels: object[3]}, " \
-                   "meta_info_keys=['info'])"
+    assert (
+        text == "DataProto(len=3, batch={obs: int64[3, 2] cpu}, non_tensor_batch={labels: object[3]}, "
+        "meta_info_keys=['info'])"
+    )
 
 
 # ---------------------------------------------------------------------- indexing
@@ -265,8 +278,14 @@ def test_indexing_matches_torch_and_numpy_indexing():
 
 @pytest.mark.parametrize(
     "index",
-    [np.array([True, False, True, False]), np.array([0, 2]), [True, False, True, False], [0, 2],
-     torch.tensor([True, False, True, False]), torch.tensor([0, 2])],
+    [
+        np.array([True, False, True, False]),
+        np.array([0, 2]),
+        [True, False, True, False],
+        [0, 2],
+        torch.tensor([True, False, True, False]),
+        torch.tensor([0, 2]),
+    ],
 )
 def test_selected_batch_size_is_a_torch_size_of_ints(index):
     selected = rows(4)[index]
@@ -278,8 +297,11 @@ def test_selected_batch_size_is_a_torch_size_of_ints(index):
 
 
 def test_select_keeps_only_the_named_keys():
-    data = DataProto.from_dict(tensors={"a": torch.zeros(2), "b": torch.ones(2)},
-                               non_tensors={"x": [1, 2], "y": [3, 4]}, meta_info={"m": 1, "n": 2})
+    data = DataProto.from_dict(
+        tensors={"a": torch.zeros(2), "b": torch.ones(2)},
+        non_tensors={"x": [1, 2], "y": [3, 4]},
+        meta_info={"m": 1, "n": 2},
+    )
     selected = data.select(batch_keys=["b"], non_tensor_batch_keys=["y"], meta_info_keys=["n"])
     assert list(selected.batch.keys()) == ["b"]
     assert list(selected.non_tensor_batch) == ["y"]
@@ -293,7 +315,9 @@ def test_select_missing_batch_key_raises_key_error():
 
 
 def test_select_with_deepcopy_does_not_share_tensors_or_values():
-    data = DataProto.from_dict(tensors={"a": torch.zeros(2)}, non_tensors={"x": [[1], [2]]}, meta_info={"m": [1]})
+    data = DataProto.from_dict(
+        tensors={"a": torch.zeros(2)}, non_tensors={"x": [[1], [2]]}, meta_info={"m": [1]}
+    )
     copied = data.select(deepcopy=True)
     copied.batch["a"][0] = 5
     copied.non_tensor_batch["x"][0].append(9)
@@ -304,7 +328,9 @@ def test_select_with_deepcopy_does_not_share_tensors_or_values():
 
 
 def test_pop_moves_keys_out():
-    data = DataProto.from_dict({"obs": torch.randn(100, 10), "act": torch.randn(100, 3)}, meta_info={"2": 2, "1": 1})
+    data = DataProto.from_dict(
+        {"obs": torch.randn(100, 10), "act": torch.randn(100, 3)}, meta_info={"2": 2, "1": 1}
+    )
     popped = data.pop(batch_keys=["obs"], meta_info_keys=["2"])
     assert popped.batch.keys() == {"obs"}
     assert popped.meta_info.keys() == {"2"}
@@ -322,7 +348,11 @@ def test_pop_of_missing_key_raises_and_removes_nothing():
 def test_dataproto_without_tensors_supports_select_and_pop():
     data = DataProto.from_dict(non_tensors={"labels": ["a", "b", "c"]}, meta_info={"info": "test_info"})
     assert data.batch is None
-    assert data.select(non_tensor_batch_keys=["labels"]).non_tensor_batch["labels"].tolist() == ["a", "b", "c"]
+    assert data.select(non_tensor_batch_keys=["labels"]).non_tensor_batch["labels"].tolist() == [
+        "a",
+        "b",
+        "c",
+    ]
     assert data.pop(non_tensor_batch_keys=["labels"]).non_tensor_batch["labels"].tolist() == ["a", "b", "c"]
     assert data.non_tensor_batch == {}
 
@@ -395,8 +425,11 @@ def test_union_of_different_lengths_raises():
 
 
 def test_reorder_permutes_rows_in_place():
-    data = DataProto.from_dict(tensors={"obs": torch.tensor([1, 2, 3, 4, 5, 6])},
-                               non_tensors={"labels": ["a", "b", "c", "d", "e", "f"]}, meta_info={"name": "abdce"})
+    data = DataProto.from_dict(
+        tensors={"obs": torch.tensor([1, 2, 3, 4, 5, 6])},
+        non_tensors={"labels": ["a", "b", "c", "d", "e", "f"]},
+        meta_info={"name": "abdce"},
+    )
     data.reorder(torch.tensor([3, 4, 2, 0, 1, 5]))
     assert data.batch["obs"].tolist() == [4, 5, 3, 1, 2, 6]
     assert data.non_tensor_batch["labels"].tolist() == ["d", "e", "c", "a", "b", "f"]
@@ -420,8 +453,11 @@ def test_chunk_cuts_tensors_and_non_tensors_at_the_same_rows():
 
 
 def test_chunk_of_divisible_batch_gives_equal_pieces():
-    data = DataProto.from_dict(tensors={"obs": torch.tensor([1, 2, 3, 4, 5, 6])},
-                               non_tensors={"labels": ["a", "b", "c", "d", "e", "f"]}, meta_info={"name": "abdce"})
+    data = DataProto.from_dict(
+        tensors={"obs": torch.tensor([1, 2, 3, 4, 5, 6])},
+        non_tensors={"labels": ["a", "b", "c", "d", "e", "f"]},
+        meta_info={"name": "abdce"},
+    )
     first, second = data.chunk(2)
     assert first.batch["obs"].tolist() == [1, 2, 3]
     assert first.non_tensor_batch["labels"].tolist() == ["a", "b", "c"]
@@ -475,7 +511,9 @@ def test_concat_joins_rows_in_order():
 
 
 def test_concat_works_without_tensors():
-    joined = DataProto.concat([DataProto.from_dict(non_tensors={"x": [1]}), DataProto.from_dict(non_tensors={"x": [2]})])
+    joined = DataProto.concat(
+        [DataProto.from_dict(non_tensors={"x": [1]}), DataProto.from_dict(non_tensors={"x": [2]})]
+    )
     assert joined.batch is None
     assert len(joined) == 2
     assert joined.non_tensor_batch["x"].tolist() == [1, 2]
@@ -483,12 +521,18 @@ def test_concat_works_without_tensors():
 
 def test_concat_merges_metrics_lists_from_every_part():
     parts = [
-        DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])},
-                            meta_info={"metrics": [{"loss": 0.5, "accuracy": 0.9}], "config_flag": True}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])},
-                            meta_info={"metrics": [{"loss": 0.6, "accuracy": 0.85}], "config_flag": True}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([5, 6])},
-                            meta_info={"metrics": [{"loss": 0.55, "accuracy": 0.88}], "config_flag": True}),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([1, 2])},
+            meta_info={"metrics": [{"loss": 0.5, "accuracy": 0.9}], "config_flag": True},
+        ),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([3, 4])},
+            meta_info={"metrics": [{"loss": 0.6, "accuracy": 0.85}], "config_flag": True},
+        ),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([5, 6])},
+            meta_info={"metrics": [{"loss": 0.55, "accuracy": 0.88}], "config_flag": True},
+        ),
     ]
     joined = DataProto.concat(parts)
     assert joined.batch["obs"].tolist() == [1, 2, 3, 4, 5, 6]
@@ -500,7 +544,9 @@ def test_concat_merges_metric_dicts_scalars_and_lists():
     parts = [
         DataProto.from_dict(tensors={"obs": torch.tensor([1])}, meta_info={"metrics": {"loss": 0.5}}),
         DataProto.from_dict(tensors={"obs": torch.tensor([2])}, meta_info={"metrics": {"loss": [0.6, 0.7]}}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([3])}, meta_info={"metrics": {"loss": 0.8, "acc": 1.0}}),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([3])}, meta_info={"metrics": {"loss": 0.8, "acc": 1.0}}
+        ),
     ]
     assert DataProto.concat(parts).meta_info["metrics"] == {"loss": [0.5, 0.6, 0.7, 0.8], "acc": [1.0]}
 
@@ -508,10 +554,12 @@ def test_concat_merges_metric_dicts_scalars_and_lists():
 def test_concat_keeps_metrics_when_the_first_part_has_none():
     parts = [
         DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"config_flag": True}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])},
-                            meta_info={"metrics": {"loss": 0.6}, "config_flag": True}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([5, 6])},
-                            meta_info={"metrics": {"loss": 0.55}, "config_flag": True}),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([3, 4])}, meta_info={"metrics": {"loss": 0.6}, "config_flag": True}
+        ),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([5, 6])}, meta_info={"metrics": {"loss": 0.55}, "config_flag": True}
+        ),
     ]
     joined = DataProto.concat(parts)
     assert joined.meta_info["metrics"] == {"loss": [0.6, 0.55]}
@@ -520,7 +568,9 @@ def test_concat_keeps_metrics_when_the_first_part_has_none():
 
 def test_concat_with_metrics_in_only_one_part():
     parts = [
-        DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"metrics": [{"loss": 0.5}], "flag": True}),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([1, 2])}, meta_info={"metrics": [{"loss": 0.5}], "flag": True}
+        ),
         DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])}, meta_info={"flag": True}),
     ]
     joined = DataProto.concat(parts)
@@ -535,15 +585,26 @@ def test_concat_keeps_equal_scalar_meta_info():
 def test_concat_merges_meta_keys_that_only_some_parts_have():
     parts = [
         DataProto.from_dict(tensors={"obs": torch.tensor([1])}, meta_info={"config": "A", "shared_key": "X"}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([2])}, meta_info={"extra_key": "B", "shared_key": "X"}),
-        DataProto.from_dict(tensors={"obs": torch.tensor([3])}, meta_info={"another_key": "C", "shared_key": "X"}),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([2])}, meta_info={"extra_key": "B", "shared_key": "X"}
+        ),
+        DataProto.from_dict(
+            tensors={"obs": torch.tensor([3])}, meta_info={"another_key": "C", "shared_key": "X"}
+        ),
     ]
-    assert DataProto.concat(parts).meta_info == {"config": "A", "shared_key": "X", "extra_key": "B", "another_key": "C"}
+    assert DataProto.concat(parts).meta_info == {
+        "config": "A",
+        "shared_key": "X",
+        "extra_key": "B",
+        "another_key": "C",
+    }
 
 
 def test_concat_with_conflicting_meta_key_raises_naming_the_key():
-    parts = [DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"config": "A"}),
-             DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])}, meta_info={"config": "B"})]
+    parts = [
+        DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"config": "A"}),
+        DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])}, meta_info={"config": "B"}),
+    ]
     with pytest.raises(ValueError, match="conflicting values for meta_info key 'config'"):
         DataProto.concat(parts)
 
@@ -555,7 +616,9 @@ def test_concat_of_nothing_raises():
 
 def test_concat_with_different_non_tensor_keys_raises():
     with pytest.raises(ValueError, match="part 1 has non-tensor keys"):
-        DataProto.concat([DataProto.from_dict(non_tensors={"x": [1]}), DataProto.from_dict(non_tensors={"y": [1]})])
+        DataProto.concat(
+            [DataProto.from_dict(non_tensors={"x": [1]}), DataProto.from_dict(non_tensors={"y": [1]})]
+        )
 
 
 def test_concat_of_parts_with_and_without_tensors_raises():
@@ -580,8 +643,11 @@ def test_repeat_not_interleaved_repeats_the_whole_batch():
     assert repeated.meta_info == {"info": "test_info"}
 
 
-@pytest.mark.parametrize("times", [[3, 1, 2], (3, 1, 2), np.array([3, 1, 2]), torch.tensor([3, 1, 2])],
-                         ids=["list", "tuple", "numpy", "torch"])
+@pytest.mark.parametrize(
+    "times",
+    [[3, 1, 2], (3, 1, 2), np.array([3, 1, 2]), torch.tensor([3, 1, 2])],
+    ids=["list", "tuple", "numpy", "torch"],
+)
 def test_sample_level_repeat_repeats_each_row_its_own_number_of_times(times):
     repeated = abc_data().sample_level_repeat(times)
     assert repeated.batch["obs"].tolist() == [[1, 2], [1, 2], [1, 2], [3, 4], [5, 6], [5, 6]]
@@ -596,9 +662,12 @@ def test_sample_level_repeat_with_wrong_length_raises():
 
 def test_unfold_column_chunks_moves_column_pieces_into_rows():
     data = DataProto.from_dict(
-        tensors={"obs1": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]),
-                 "obs2": torch.tensor([[1, 2], [5, 6], [9, 10]])},
-        non_tensors={"labels": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]}, meta_info={"name": "abc"},
+        tensors={
+            "obs1": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]),
+            "obs2": torch.tensor([[1, 2], [5, 6], [9, 10]]),
+        },
+        non_tensors={"labels": [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]},
+        meta_info={"name": "abc"},
     )
     result = data.unfold_column_chunks(2, split_keys=["obs1", "labels"])
     assert result.batch["obs1"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
@@ -615,16 +684,29 @@ def test_unfold_column_chunks_splits_a_two_dimensional_array_like_verl():
 
 
 def test_unfold_column_chunks_keeps_trailing_dims():
-    obs1 = torch.tensor([[[1, 1], [2, 2], [3, 3], [4, 4]], [[5, 5], [6, 6], [7, 7], [8, 8]],
-                         [[9, 9], [10, 10], [11, 11], [12, 12]]])
+    obs1 = torch.tensor(
+        [
+            [[1, 1], [2, 2], [3, 3], [4, 4]],
+            [[5, 5], [6, 6], [7, 7], [8, 8]],
+            [[9, 9], [10, 10], [11, 11], [12, 12]],
+        ]
+    )
     data = DataProto.from_dict(tensors={"obs1": obs1})
     result = data.unfold_column_chunks(2, split_keys=["obs1"])
-    assert result.batch["obs1"].tolist() == [[[1, 1], [2, 2]], [[3, 3], [4, 4]], [[5, 5], [6, 6]],
-                                             [[7, 7], [8, 8]], [[9, 9], [10, 10]], [[11, 11], [12, 12]]]
+    assert result.batch["obs1"].tolist() == [
+        [[1, 1], [2, 2]],
+        [[3, 3], [4, 4]],
+        [[5, 5], [6, 6]],
+        [[7, 7], [8, 8]],
+        [[9, 9], [10, 10]],
+        [[11, 11], [12, 12]],
+    ]
 
 
 def test_unfold_column_chunks_repeats_keys_not_split():
-    data = DataProto.from_dict(tensors={"obs1": torch.arange(12).reshape(3, 4)}, non_tensors={"labels": ["a", "b", "c"]})
+    data = DataProto.from_dict(
+        tensors={"obs1": torch.arange(12).reshape(3, 4)}, non_tensors={"labels": ["a", "b", "c"]}
+    )
     result = data.unfold_column_chunks(2, split_keys=["obs1"])
     assert result.non_tensor_batch["labels"].tolist() == ["a", "a", "b", "b", "c", "c"]
 
@@ -690,8 +772,10 @@ def test_padding_returns_a_new_dataproto_and_leaves_the_original():
     assert len(padded) == 5
 
 
-@pytest.mark.parametrize("candidate,expected", [("first", ["r0", "r1", "r2", "r0", "r0"]),
-                                                ("last", ["r0", "r1", "r2", "r2", "r2"])])
+@pytest.mark.parametrize(
+    "candidate,expected",
+    [("first", ["r0", "r1", "r2", "r0", "r0"]), ("last", ["r0", "r1", "r2", "r2", "r2"])],
+)
 def test_padding_candidate_repeats_the_first_or_last_row(candidate, expected):
     assert tags(rows(3).padding(2, padding_candidate=candidate)) == expected
 
@@ -748,8 +832,9 @@ def test_fold_with_indivisible_size_raises():
 
 def make_iter_data() -> DataProto:
     labels = [["abc", "cde"][i % 3 == 0] for i in range(100)]
-    return DataProto.from_dict(tensors={"obs": torch.randn(100, 10)}, non_tensors={"labels": labels},
-                               meta_info={"m": 1})
+    return DataProto.from_dict(
+        tensors={"obs": torch.randn(100, 10)}, non_tensors={"labels": labels}, meta_info={"m": 1}
+    )
 
 
 def test_make_iterator_with_same_seed_is_reproducible():
@@ -830,7 +915,11 @@ def pickle5(obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
 
 def test_pickle5_ships_tensors_as_out_of_band_buffers():
     data = DataProto.from_dict(
-        tensors={"a": torch.randn(512, 256), "b": torch.randn(512, 64).bfloat16(), "m": torch.ones(512, dtype=torch.bool)},
+        tensors={
+            "a": torch.randn(512, 256),
+            "b": torch.randn(512, 64).bfloat16(),
+            "m": torch.ones(512, dtype=torch.bool),
+        },
         non_tensors={"uid": [f"u{i}" for i in range(512)]},
     )
     tensor_bytes = sum(t.numel() * t.element_size() for t in data.batch.values())
@@ -936,8 +1025,11 @@ def test_pickle_of_read_only_buffers_gives_writable_tensors():
 def test_dask_serialize_round_trip_sends_tensors_as_frames():
     from distributed.protocol import deserialize, serialize
 
-    data = DataProto.from_dict(tensors={"a": torch.randn(256, 128).bfloat16()}, non_tensors={"uid": ["u"] * 256},
-                               meta_info={"step": 3})
+    data = DataProto.from_dict(
+        tensors={"a": torch.randn(256, 128).bfloat16()},
+        non_tensors={"uid": ["u"] * 256},
+        meta_info={"step": 3},
+    )
     header, frames = serialize(data)
     assert sum(memoryview(f).nbytes for f in frames) < 256 * 128 * 2 + 10_000
     assert max(memoryview(f).nbytes for f in frames) == 256 * 128 * 2

@@ -29,7 +29,12 @@ TESTS_DIR = os.path.dirname(__file__)
 
 def _cluster(n: int, **kwargs) -> LocalCluster:
     return LocalCluster(
-        n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0", worker_dashboard_address=":0", **kwargs
+        n_workers=n,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=":0",
+        **kwargs,
     )
 
 
@@ -52,6 +57,7 @@ def _wait_until_released(client: Client, name: str, timeout: float = 30) -> dict
 
 
 # ---- TLS ------------------------------------------------------------------------------
+
 
 def _temporary_security() -> Security:
     pytest.importorskip("cryptography", reason="Security.temporary() needs the cryptography package")
@@ -87,7 +93,9 @@ def test_a_group_calls_over_both_paths_on_a_tls_cluster(tls_cluster):
         ("tcp", "none", OSError, None),
     ],
 )
-def test_a_client_without_the_cluster_credentials_cannot_connect(tls_cluster, scheme, credentials, error, message):
+def test_a_client_without_the_cluster_credentials_cannot_connect(
+    tls_cluster, scheme, credentials, error, message
+):
     """No TLS context, a certificate from another CA, or plain TCP to the TLS port: the
     connection fails within the client's timeout."""
     cluster, _ = tls_cluster
@@ -103,16 +111,29 @@ def test_a_client_without_the_cluster_credentials_cannot_connect(tls_cluster, sc
 
 def test_a_group_calls_over_both_paths_on_a_tls_cli_cluster(tmp_path):
     security = _temporary_security()
-    files = {"ca": security.tls_ca_file, "cert": security.tls_scheduler_cert, "key": security.tls_scheduler_key}
+    files = {
+        "ca": security.tls_ca_file,
+        "cert": security.tls_scheduler_cert,
+        "key": security.tls_scheduler_key,
+    }
     paths = {}
     for kind, pem in files.items():
         paths[kind] = tmp_path / f"{kind}.pem"
         paths[kind].write_text(pem)
-    tls_args = ["--tls-ca-file", str(paths["ca"]), "--tls-cert", str(paths["cert"]), "--tls-key", str(paths["key"])]
+    tls_args = [
+        "--tls-ca-file",
+        str(paths["ca"]),
+        "--tls-cert",
+        str(paths["cert"]),
+        "--tls-key",
+        str(paths["key"]),
+    ]
     cluster = CLICluster(2, extra_scheduler=tls_args, extra_worker=tls_args, protocol="tls")
     try:
         client_security = Security(
-            tls_ca_file=str(paths["ca"]), tls_client_cert=str(paths["cert"]), tls_client_key=str(paths["key"]),
+            tls_ca_file=str(paths["ca"]),
+            tls_client_cert=str(paths["cert"]),
+            tls_client_key=str(paths["key"]),
             require_encryption=True,
         )
         with Client(cluster.address, security=client_security, timeout=30) as client:
@@ -170,9 +191,10 @@ def test_gloo_all_gather_rendezvous_over_ipv6(ipv6_client):
 def test_two_drivers_each_reach_their_own_group_on_the_same_workers(cluster4):
     with Client(cluster4) as first, Client(cluster4) as second:
         workers = sorted(first.scheduler_info()["workers"])[:2]
-        with WorkerGroup(first, ClassWithInitArgs(AddWorker, x=10), workers=workers) as one, WorkerGroup(
-            second, ClassWithInitArgs(AddWorker, x=20), workers=workers
-        ) as two:
+        with (
+            WorkerGroup(first, ClassWithInitArgs(AddWorker, x=10), workers=workers) as one,
+            WorkerGroup(second, ClassWithInitArgs(AddWorker, x=20), workers=workers) as two,
+        ):
             assert one.workers == two.workers
             assert one.pid() == two.pid()
             assert one.foo(x=1, y=2) == [13, 13]
@@ -218,7 +240,9 @@ def _send_as(client: Client, wg: WorkerGroup, method: str) -> dict:
     )
 
     async def send():
-        return await client.rpc(slot.address).daskwg_call(call=dataclasses.astuple(call), payload=pack(((), {})))
+        return await client.rpc(slot.address).daskwg_call(
+            call=dataclasses.astuple(call), payload=pack(((), {}))
+        )
 
     return client.sync(send)
 
@@ -287,7 +311,10 @@ def _start_driver(address: str, name: str, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-c", _DRIVER, address, name, mode],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -309,7 +336,9 @@ def test_a_sigkilled_driver_frees_its_ranks(cli_cluster2):
     cluster, client = cli_cluster2
     driver = _start_driver(cluster.address, "killed", "hang")
     try:
-        assert driver.stdout.readline().strip() == "[5, 5]", driver.stderr.read() if driver.poll() is not None else ""
+        assert driver.stdout.readline().strip() == "[5, 5]", (
+            driver.stderr.read() if driver.poll() is not None else ""
+        )
         assert all("killed" in groups for groups in _hosted_group_names(client).values())
     finally:
         os.kill(driver.pid, signal.SIGKILL)

@@ -59,7 +59,9 @@ def test_worker_group_basics(cluster4):
                 assert remote.foo_custom(x=[1, 2], y=[5, 6]) == [8, 10, 8, 10]
                 assert remote.foo_rank_zero(x=1, y=2) == 5
                 assert remote.workers == wg.workers
-            torch.testing.assert_close(wg.execute_func_rank_zero(add_one, torch.ones(2, 2)), torch.ones(2, 2) + 1)
+            torch.testing.assert_close(
+                wg.execute_func_rank_zero(add_one, torch.ones(2, 2)), torch.ones(2, 2) + 1
+            )
         finally:
             wg.shutdown()
 
@@ -69,7 +71,9 @@ def test_auto_padding(client4):
     so ``DataProtoConfig.auto_padding`` and the per-DataProto flag are not needed)."""
     chunk_size = 4
     for test_size in range(4, 20):
-        local_data = DataProto.from_dict({"a": torch.zeros(test_size)}, {"na": np.zeros(test_size, dtype=object)})
+        local_data = DataProto.from_dict(
+            {"a": torch.zeros(test_size)}, {"na": np.zeros(test_size, dtype=object)}
+        )
         padding_size = (chunk_size - (test_size % chunk_size)) if (test_size % chunk_size > 0) else 0
         padded = local_data.padding(padding_size)  # a copy: verl pads in place
         assert len(padded) == test_size + padding_size and len(padded) % chunk_size == 0
@@ -120,7 +124,9 @@ def test_decorator_dp_compute_td(decorator_wg):
     position_ids = torch.nested.as_nested_tensor(
         [torch.arange(n).expand(4, n).contiguous() for n in (4, 5, 6, 7)], layout=torch.jagged
     )
-    data = TensorDict({"input": torch.arange(4, dtype=torch.float32), "position_ids": position_ids}, batch_size=[4])
+    data = TensorDict(
+        {"input": torch.arange(4, dtype=torch.float32), "position_ids": position_ids}, batch_size=[4]
+    )
     output = decorator_wg.dp_compute_td(data).get()
     assert isinstance(output, TensorDict) and "output" in output.keys() and len(output) == 4
     expected = torch.cat([torch.tensor([0.0, 1.0]) + 10 + 0, torch.tensor([2.0, 3.0]) + 10 + 1])
@@ -132,7 +138,8 @@ def get_aux_metrics(self, test_proto):
     decode_count = [len(sequence_ids[i].tolist()) for i in range(sequence_ids.size(0))]
     return DataProto(
         batch=TensorDict(
-            {"sequence_ids": sequence_ids, "decode_count": torch.tensor(decode_count)}, batch_size=sequence_ids.size(0)
+            {"sequence_ids": sequence_ids, "decode_count": torch.tensor(decode_count)},
+            batch_size=sequence_ids.size(0),
         )
     )
 
@@ -154,7 +161,10 @@ def _colocated_matches_standalone(client, spawn_roles):
     actor_cls = ClassWithInitArgs(VerlActor)
     critic_cls = ClassWithInitArgs(VerlCritic, config={"b": 10})
     pool = ResourcePool(client, world_size=2)
-    with WorkerGroup(client, actor_cls, workers=pool) as actor_wg, WorkerGroup(client, critic_cls, workers=pool) as critic_wg:
+    with (
+        WorkerGroup(client, actor_cls, workers=pool) as actor_wg,
+        WorkerGroup(client, critic_cls, workers=pool) as critic_wg,
+    ):
         expected_actor_output = actor_wg.add(data)
         expected_critic_output = critic_wg.sub(data)
     cls_dict = {"actor": actor_cls, "critic": critic_cls}
@@ -199,7 +209,9 @@ def _split_outputs(client, pools, data_sizes):
     outputs = []
     for idx, (pool, size) in enumerate(zip(pools, data_sizes)):
         with WorkerGroup(client, ClassWithInitArgs(SplitActor, worker_id=idx * 100), workers=pool) as wg:
-            outputs.append((wg.world_size, wg.add(DataProto.from_dict({"a": torch.zeros(size)})).batch["a"].tolist()))
+            outputs.append(
+                (wg.world_size, wg.add(DataProto.from_dict({"a": torch.zeros(size)})).batch["a"].tolist())
+            )
     return outputs
 
 
@@ -226,7 +238,13 @@ def test_split_resource_pool_with_split_twice(client4):
 def test_get_set_dispatch_collect_cpu(monkeypatch):
     """verl test_get_set_dispatch_collect_cpu.py::test_get_set_dispatch_collect_cpu (a mesh
     name clash is a ValueError, not an AssertionError)."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "12345"}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "12345",
+    }.items():
         monkeypatch.setenv(key, value)
     ref = Worker()
     ref._register_dispatch_collect_info(mesh_name="actor", dp_rank=0, is_collect=True)
