@@ -16,20 +16,22 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def _local_cluster(n_workers: int) -> LocalCluster:
+def process_cluster(n_workers: int, **kwargs) -> LocalCluster:
+    """A LocalCluster of ``n_workers`` processes with one thread each, dashboards on free ports."""
     return LocalCluster(
         n_workers=n_workers,
         threads_per_worker=1,
         processes=True,
         dashboard_address=":0",
         worker_dashboard_address=":0",
+        **kwargs,
     )
 
 
 @pytest.fixture(scope="session")
 def cluster4():
     """A 4-worker process cluster shared by tests that leave its workers alive."""
-    with _local_cluster(4) as cluster:
+    with process_cluster(4) as cluster:
         yield cluster
 
 
@@ -42,7 +44,7 @@ def client4(cluster4):
 @pytest.fixture
 def fresh_cluster4():
     """A 4-worker cluster of its own, for tests that kill or break workers."""
-    with _local_cluster(4) as cluster, Client(cluster) as client:
+    with process_cluster(4) as cluster, Client(cluster) as client:
         yield cluster, client
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _local_cluster
+from conftest import process_cluster
 from distributed import Client, Future
 from roles import SWAPPABLE, ModeWorker
 from tensordict import TensorDict
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def wg():
-    with _local_cluster(8) as cluster, Client(cluster) as client:
+    with process_cluster(8) as cluster, Client(cluster) as client:
         with WorkerGroup(client, ClassWithInitArgs(ModeWorker, offset=2), world_size=8) as group:
             yield group
 

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CLICluster, free_port, wait_for_workers
+from conftest import CLICluster, free_port, process_cluster, wait_for_workers
 from dask.config import set as dask_config
-from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, SpecCluster
 from distributed.client import FutureCancelledError
 from fault_workers import FaultWorker
 from workers import AddWorker
@@ -34,17 +34,6 @@ from daskwg import (
 )
 
 TESTS_DIR = os.path.dirname(__file__)
-
-
-def _small_cluster(n: int, **kwargs) -> LocalCluster:
-    return LocalCluster(
-        n_workers=n,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        worker_dashboard_address=":0",
-        **kwargs,
-    )
 
 
 def _kill_later(pid: int, delay: float, record: dict) -> threading.Thread:
@@ -93,7 +82,7 @@ def test_worker_killed_during_a_blocking_call_raises_worker_lost(fresh_cluster4)
 
 @pytest.mark.timeout(90)
 def test_worker_killed_during_a_non_blocking_call_raises_worker_lost():
-    with _small_cluster(2) as cluster, Client(cluster) as client:
+    with process_cluster(2) as cluster, Client(cluster) as client:
         wg = WorkerGroup(client, FaultWorker, world_size=2)
         pids = wg.pid()
         futures = wg.sleep_async(60)
@@ -114,7 +103,7 @@ def test_worker_killed_during_a_non_blocking_call_raises_worker_lost():
 
 @pytest.mark.timeout(90)
 def test_data_proto_future_of_a_lost_worker_raises_worker_lost():
-    with _small_cluster(2) as cluster, Client(cluster) as client:
+    with process_cluster(2) as cluster, Client(cluster) as client:
         wg = WorkerGroup(client, FaultWorker, world_size=2)
         pids = wg.pid()
         wg.sleep_async(60)
@@ -166,7 +155,7 @@ def test_idle_group_learns_of_a_killed_worker_and_never_reuses_its_restart():
 
 @pytest.mark.timeout(120)
 def test_rank_failing_in_a_collective_raises_rank_error_and_breaks_the_group():
-    with _small_cluster(3) as cluster, Client(cluster) as client:
+    with process_cluster(3) as cluster, Client(cluster) as client:
         wg = WorkerGroup(client, FaultWorker, world_size=3)
         assert wg.init_process_group() == [True] * 3
         t0 = time.monotonic()
@@ -192,7 +181,7 @@ def test_rank_failing_in_a_collective_raises_rank_error_and_breaks_the_group():
 
 @pytest.mark.timeout(120)
 def test_a_collective_timeout_frees_stuck_ranks_for_a_new_group():
-    with _small_cluster(2) as cluster, Client(cluster) as client:
+    with process_cluster(2) as cluster, Client(cluster) as client:
         wg = WorkerGroup(client, FaultWorker, world_size=2)
         wg.init_process_group(timeout_s=5)
         with pytest.raises(RankError):
@@ -328,7 +317,7 @@ def test_tensors_of_every_dtype_round_trip_exactly(client4, dtype):
 def test_a_one_gib_batch_round_trips_exactly():
     # A cluster of its own: a worker over its memory limit is restarted by its Nanny.
     with (
-        _small_cluster(1, memory_limit="8GiB") as cluster,
+        process_cluster(1, memory_limit="8GiB") as cluster,
         Client(cluster) as client,
         WorkerGroup(client, FaultWorker, world_size=1) as wg,
     ):
@@ -357,7 +346,11 @@ def _resume(dask_worker):
 
 @pytest.mark.timeout(90)
 def test_a_call_waiting_on_a_paused_worker_warns_naming_it(caplog):
-    with _small_cluster(2) as cluster, Client(cluster) as client, dask_config({"daskwg.paused-warning": 0.5}):
+    with (
+        process_cluster(2) as cluster,
+        Client(cluster) as client,
+        dask_config({"daskwg.paused-warning": 0.5}),
+    ):
         wg = WorkerGroup(client, FaultWorker, world_size=2)
         client.run(_pause, workers=[wg.workers[1]])
         time.sleep(0.5)

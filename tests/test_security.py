@@ -14,8 +14,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import CLICluster, wait_for_workers
-from distributed import Client, LocalCluster
+from conftest import CLICluster, process_cluster, wait_for_workers
+from distributed import Client
 from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
@@ -25,17 +25,6 @@ from daskwg.plugin import Call
 from daskwg.serialization import pack
 
 TESTS_DIR = os.path.dirname(__file__)
-
-
-def _cluster(n: int, **kwargs) -> LocalCluster:
-    return LocalCluster(
-        n_workers=n,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        worker_dashboard_address=":0",
-        **kwargs,
-    )
 
 
 def _hosted_group_names(client: Client) -> dict[str, set[str]]:
@@ -67,7 +56,7 @@ def _temporary_security() -> Security:
 @pytest.fixture(scope="module")
 def tls_cluster():
     security = _temporary_security()
-    with _cluster(2, security=security, protocol="tls://") as cluster:
+    with process_cluster(2, security=security, protocol="tls://") as cluster:
         yield cluster, security
 
 
@@ -164,7 +153,7 @@ def ipv6_client():
     if not _has_ipv6_loopback():
         pytest.skip("this machine has no IPv6 loopback (cannot bind ::1)")
     # LocalCluster wants the literal in brackets, as in an address; MASTER_ADDR must not have them.
-    with _cluster(2, host="[::1]") as cluster, Client(cluster) as client:
+    with process_cluster(2, host="[::1]") as cluster, Client(cluster) as client:
         wait_for_workers(client, 2)
         yield client
 
