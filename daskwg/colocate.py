@@ -199,6 +199,18 @@ class _RoleGroup(WorkerGroup):
         """Does nothing: the ranks belong to the colocated group; shut that one down."""
 
 
+def role_classes_of(cls_with_init: ClassWithInitArgs) -> dict[str, type] | None:
+    """Role name → class of a colocated worker's ``ClassWithInitArgs`` (``None`` if it is
+    not one), read in the driver: classes defined in ``__main__`` cannot make the trip
+    back from a worker."""
+    if not (isinstance(cls_with_init.cls, type) and issubclass(cls_with_init.cls, ColocatedWorker)):
+        return None
+    roles = cls_with_init.args[0] if cls_with_init.args else cls_with_init.kwargs.get("roles")
+    if not isinstance(roles, Mapping):
+        return None
+    return {role: (r.cls if isinstance(r, ClassWithInitArgs) else r) for role, r in roles.items()}
+
+
 def spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
     """``WorkerGroup.spawn``: one :class:`_RoleGroup` per requested role, in the order given."""
     if not (isinstance(group._cls, type) and issubclass(group._cls, ColocatedWorker)):
@@ -209,7 +221,10 @@ def spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str
     if isinstance(prefix_set, str):
         raise TypeError("prefix_set must be a collection of role names, not a string")
     wanted = list(prefix_set)
-    role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
+    role_classes = group._role_classes
+    if role_classes is None:
+        # Not built by this driver (attached): ask rank 0.
+        role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
     unknown = [role for role in wanted if role not in role_classes]
     if unknown:
         raise ValueError(f"group {group.name!r} has no role(s) {unknown}; its roles are {list(role_classes)}")

@@ -262,11 +262,16 @@ class _Channel:
         await asyncio.sleep(0)
         return await coro
 
-    def close(self) -> None:
+    def __del__(self) -> None:
+        # The thread that owned this channel ended (its threading.local went away):
+        # close its connections now rather than leave "dangling stream" warnings.
         try:
-            self.loop.run_until_complete(self.pool.close())
-        finally:
+            for comms in (*self.pool.available.values(), *self.pool.occupied.values()):
+                for comm in list(comms):
+                    comm.abort()
             self.loop.close()
+        except Exception:  # noqa: BLE001 - best effort at garbage collection
+            pass
 
 
 class _CallWatch:
@@ -383,6 +388,9 @@ class WorkerGroup:
         self._client = client
         self._driver = _Driver.of(client)
         self._cls = cls_with_init.cls
+        from .colocate import role_classes_of
+
+        self._role_classes = role_classes_of(cls_with_init)
         self._group_id = uuid.uuid4().hex
         self._name = name or f"{self._cls.__name__}-{self._group_id[:8]}"
         self._slots = pool.slots
@@ -542,6 +550,9 @@ class WorkerGroup:
             return
         self._closed = True
         self._driver.groups.discard(self)
+        if self._client.status not in ("running", "connecting"):
+            # The workers released this driver's ranks when its client left.
+            return
         self._destroy_ranks()
         try:
             self._client.set_metadata([_METADATA_ROOT, self._name], None)
@@ -599,6 +610,7 @@ class WorkerGroup:
         self._client = client
         self._driver = _Driver.of(client)
         self._cls = pickle.loads(record["cls"])
+        self._role_classes = None
         self._group_id = record["group_id"]
         self._name = name
         self._slots = pool.slots
@@ -764,6 +776,11 @@ class WorkerGroup:
         if self._closed:
             raise GroupBrokenError(
                 f"group {self._name!r} was shut down; build a new one to call {method_name!r}"
+            )
+        if self._client.status not in ("running", "connecting"):
+            raise GroupBrokenError(
+                f"the client of group {self._name!r} is {self._client.status}: the workers released its ranks "
+                "when it disconnected; connect a new client and build a new group"
             )
         self._settle()
         if self._broken is not None:

@@ -124,6 +124,7 @@ class _Sequencer:
         self._executor = executor
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
+        self._released: set[str] = set()
         #: per driver, the sequence number of its last call that finished (or was
         #: skipped) on the thread; calls finish in order, so one number says it all.
         self.progress: dict[str, int] = {}
@@ -134,6 +135,11 @@ class _Sequencer:
     def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
         result: ConcurrentFuture = ConcurrentFuture()
         with self._lock:
+            if session in self._released:
+                result.set_exception(
+                    GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
+                )
+                return result
             state = self._sessions.setdefault(session, _Session(session))
             if seq < state.next_seq or seq in state.pending:
                 result.set_exception(
@@ -155,8 +161,11 @@ class _Sequencer:
                 self._release(state)
 
     def forget(self, session: str) -> None:
+        """Drop a driver that left; its calls from now on are refused, not queued
+        (its sequence numbers would count from a state that is gone)."""
         with self._lock:
             self._sessions.pop(session, None)
+            self._released.add(session)
 
     def _release(self, state: _Session) -> None:
         while True:

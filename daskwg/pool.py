@@ -161,13 +161,14 @@ class ResourcePool:
             if world_size > len(slots):
                 found = ", ".join(s.address for s in slots) or "none"
                 what = f" with resources {resources}" if resources else ""
+                advice = f"start more workers or pass world_size={len(slots)}" if slots else "start such workers"
                 raise WorldSizeError(
-                    f"asked for {world_size} ranks, the cluster has {len(slots)} workers{what} ({found}); "
-                    f"start more workers or pass world_size={len(slots)}"
+                    f"asked for {world_size} ranks, the cluster has {len(slots)} workers{what} ({found}); {advice}"
                 )
             slots = slots[:world_size]
         if not slots:
-            raise WorldSizeError("the cluster has no (matching) workers; start some workers first")
+            what = f"with resources {resources}" if resources else "at all"
+            raise WorldSizeError(f"the cluster has no workers {what}; start such workers first")
         self._slots = slots
 
     @property

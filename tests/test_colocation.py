@@ -13,10 +13,13 @@ from roles import EnvWorker, MeshByBlock, MeshByStride, Policy, Value
 from daskwg import (
     ClassWithInitArgs,
     DataProto,
+    Dispatch,
     GroupBrokenError,
     ResourcePool,
+    Worker,
     WorkerGroup,
     create_colocated_worker_cls,
+    register,
 )
 from daskwg.colocate import ColocatedWorker
 
@@ -249,3 +252,21 @@ def test_attach_refuses_a_group_whose_workers_restarted(fresh_cluster4):
     client.restart_workers([wg.workers[1]])
     with pytest.raises(GroupBrokenError, match="restarted"):
         WorkerGroup.attach(client, "restarted")
+
+
+def test_spawn_works_for_role_classes_the_workers_cannot_send_back(client4):
+    # Classes made at run time (like those of a driver's __main__) pickle by value one
+    # way only; spawn must not need them back from a worker.
+    def make(letter):
+        class Role(Worker):
+            @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+            def hi(self):
+                return letter
+
+        return Role
+
+    cls = create_colocated_worker_cls({"a": make("a"), "b": make("b")})
+    with WorkerGroup(client4, cls, world_size=2) as wg:
+        roles = wg.spawn(["a", "b"])
+        assert roles["a"].hi() == ["a", "a"]
+        assert roles["b"].hi() == ["b", "b"]

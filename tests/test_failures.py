@@ -427,3 +427,14 @@ def test_a_class_the_workers_cannot_import_fails_clearly_and_leaves_the_workers_
                 assert wg.echo(3) == [3, 3]
     finally:
         cluster.close()
+
+
+def test_calls_and_shutdown_after_the_client_closed_raise_instead_of_waiting(fresh_cluster4):
+    cluster, _ = fresh_cluster4
+    client = Client(cluster)
+    wg = WorkerGroup(client, FaultWorker, world_size=2)
+    assert wg.echo(1) == [1, 1]
+    client.close()
+    with pytest.raises(GroupBrokenError, match="is closed"):
+        wg.echo(2)
+    wg.shutdown()
