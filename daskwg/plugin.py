@@ -211,6 +211,7 @@ class HostPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker) -> None:
+        """Dask's plugin hook: start the host thread and install the comm handlers."""
         self.worker = worker
         self.address = worker.address
         self._hosted: dict[tuple[str, int], _Hosted] = {}
@@ -230,6 +231,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_progress"] = self._handle_progress
 
     def teardown(self, worker) -> None:
+        """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
         with self._hosted_lock:
             self._hosted.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
