@@ -161,7 +161,9 @@ class ResourcePool:
             if world_size > len(slots):
                 found = ", ".join(s.address for s in slots) or "none"
                 what = f" with resources {resources}" if resources else ""
-                advice = f"start more workers or pass world_size={len(slots)}" if slots else "start such workers"
+                advice = (
+                    f"start more workers or pass world_size={len(slots)}" if slots else "start such workers"
+                )
                 raise WorldSizeError(
                     f"asked for {world_size} ranks, the cluster has {len(slots)} workers{what} ({found}); {advice}"
                 )
