@@ -88,14 +88,6 @@ class CollectiveWorker(Worker):
         return torch.cat(out).tolist()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def all_reduce_or_fail(self, failing_rank: int) -> float:
-        if self.rank == failing_rank:
-            raise RuntimeError(f"rank {failing_rank} fails before the all-reduce")
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        return float(t)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
