@@ -26,10 +26,10 @@ from .errors import (
     WorldSizeError,
 )
 from .futures import DataProtoFuture
-from .group import ClassWithInitArgs, WorkerGroup
+from .group import WorkerGroup
 from .pool import ResourcePool
 from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
-from .worker import DistGlobalInfo, DistRankInfo, Worker
+from .worker import ClassWithInitArgs, DistGlobalInfo, DistRankInfo, Worker
 
 __version__ = "0.1.0"
 

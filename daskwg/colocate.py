@@ -21,11 +21,10 @@ plain class resolves ``"<role>_<method>"`` by looking the role up in its dict.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from .group import ClassWithInitArgs, WorkerGroup
-from .worker import Worker
+from .worker import ClassWithInitArgs, Worker
 
 __all__ = ["ColocatedWorker", "create_colocated_worker_cls"]
 
@@ -144,61 +143,6 @@ def create_colocated_worker_cls(class_dict: Mapping[str, type | ClassWithInitArg
     return ClassWithInitArgs(ColocatedWorker, roles)
 
 
-class _RoleGroup(WorkerGroup):
-    """One role of a colocated group: the role's registered methods over the same ranks.
-
-    Built by :meth:`WorkerGroup.spawn`. It owns nothing: ranks, connection and failure
-    state are the colocated group's (``parent``). Only its bound methods and its mesh
-    caches (``_dispatch_info``/``_collect_info``, filled from the role's own mesh
-    registration) are its own.
-    """
-
-    def __init__(self, parent: WorkerGroup, role: str, role_cls: type):
-        # WorkerGroup.__init__ is not called: the ranks exist already.
-        self._parent = parent
-        self._role = role
-        self._cls = role_cls
-        self._dispatch_info = {}
-        self._collect_info = {}
-        self._methods = self._bind_registered_methods()
-
-    def __getattr__(self, item: str) -> Any:
-        # Everything not set above (client, slots, name, failure state, ...) is the
-        # parent's, read live, so the role group never holds a stale copy.
-        if item.startswith("_") and not item.startswith("__") and item not in ("_parent", "_methods", "_cls"):
-            parent = self.__dict__.get("_parent")
-            if parent is not None:
-                return getattr(parent, item)
-        return super().__getattr__(item)
-
-    def __repr__(self) -> str:
-        return f"<role group {self._role!r} of {self._parent!r}>"
-
-    def _check_usable(self, method_name: str) -> None:
-        self._parent._check_usable(f"{self._role}_{method_name}")
-
-    def _settle(self) -> None:
-        self._parent._settle()
-
-    def _gather_any(self, futures: list) -> list:
-        return self._parent._gather_any(futures)
-
-    def _send(
-        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any
-    ) -> list:
-        if check:
-            self._check_usable(method_name)
-            if method_name not in self._methods and not hasattr(self._cls, method_name):
-                raise AttributeError(
-                    f"role {self._role!r} ({self._cls.__name__}) has no method {method_name!r}; "
-                    f"registered methods: {sorted(self._methods)}"
-                )
-        return self._parent._send(f"{self._role}_{method_name}", ranks, payloads, check=False, **kwargs)
-
-    def shutdown(self) -> None:
-        """Does nothing: the ranks belong to the colocated group; shut that one down."""
-
-
 def role_classes_of(cls_with_init: ClassWithInitArgs) -> dict[str, type] | None:
     """Role name → class of a colocated worker's ``ClassWithInitArgs`` (``None`` if it is
     not one), read in the driver: classes defined in ``__main__`` cannot make the trip
@@ -209,23 +153,3 @@ def role_classes_of(cls_with_init: ClassWithInitArgs) -> dict[str, type] | None:
     if not isinstance(roles, Mapping):
         return None
     return {role: (r.cls if isinstance(r, ClassWithInitArgs) else r) for role, r in roles.items()}
-
-
-def spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
-    """``WorkerGroup.spawn``: one :class:`_RoleGroup` per requested role, in the order given."""
-    if not (isinstance(group._cls, type) and issubclass(group._cls, ColocatedWorker)):
-        raise TypeError(
-            f"spawn needs a group built from create_colocated_worker_cls (a ColocatedWorker); "
-            f"group {group.name!r} runs {group._cls.__name__}"
-        )
-    if isinstance(prefix_set, str):
-        raise TypeError("prefix_set must be a collection of role names, not a string")
-    wanted = list(prefix_set)
-    role_classes = group._role_classes
-    if role_classes is None:
-        # Not built by this driver (attached): ask rank 0.
-        role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
-    unknown = [role for role in wanted if role not in role_classes]
-    if unknown:
-        raise ValueError(f"group {group.name!r} has no role(s) {unknown}; its roles are {list(role_classes)}")
-    return {role: _RoleGroup(group, role, role_classes[role]) for role in wanted}

@@ -1,53 +1,30 @@
-"""The driver side: :class:`WorkerGroup` and :class:`ClassWithInitArgs`.
+"""The driver side: :class:`WorkerGroup`, verl's ``RayWorkerGroup`` on Dask.
 
 A call on a group goes dispatch (``decorator``: split the arguments per rank) → send
-(this module: one call per rank, pinned to the rank's Dask worker) → host (``plugin``:
-the ordered thread on the worker runs the user's method) → collect (``decorator``:
-merge the per-rank results).
-
-Two ways to send, one order: every call gets, per worker, the next sequence number of
-this driver, and the worker runs calls strictly in that order whichever way they came.
-
-* Blocking calls whose arguments are all in the driver go straight to the hosting
-  workers over Dask's comm (the ``daskwg_call`` handler), like Dask actors: one
-  round trip, no scheduler hop.
-* Non-blocking calls, and calls that take a ``DataProtoFuture``, are Dask tasks
-  (``client.submit`` pinned with ``workers=[address]``, ``allow_other_workers=False``,
-  ``pure=False``, no retries), named ``"<group>.<method>-<call>-r<rank>-<id>"`` on the
-  dashboard. Their results stay on the workers as Dask futures, and futures passed to
-  the next call move worker to worker.
+(``transport``: one call per rank, pinned to the rank's Dask worker) → host
+(``plugin``: the ordered thread on the worker runs the user's method) → collect
+(``decorator``: merge the per-rank results). This module holds the group's life cycle
+(placement, rank environment, build, attach, shutdown), the binding of registered
+methods, dispatch and collect; how calls and data travel is ``transport``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import inspect
-import itertools
 import logging
 import pickle
-import re
-import threading
-import time
-import traceback
 import uuid
-import weakref
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 import dask.config
 from distributed import Client, Future, fire_and_forget
-from distributed import wait as dask_wait
-from distributed.client import FuturesCancelledError
-from distributed.comm.core import CommClosedError
-from distributed.core import ConnectionPool
-from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from . import serialization  # also installs the tensor serializer in the driver
+from .colocate import ColocatedWorker, role_classes_of
 from .decorator import (
     PADDING_SIZE_KEY,
     Execute,
@@ -55,262 +32,18 @@ from .decorator import (
     get_predefined_dispatch_fn,
     get_registered_method,
 )
-from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from .errors import DispatchError, GroupBrokenError, WorkerGroupError
 from .futures import DataProtoFuture
-from .plugin import PLUGIN_NAME, RANK_ENV_KEYS, Call, HostPlugin, LazyArg, run_call
+from .plugin import RANK_ENV_KEYS
 from .pool import ResourcePool
+from .transport import GroupTransport
+from .worker import ClassWithInitArgs
 
 __all__ = ["WorkerGroup", "ClassWithInitArgs"]
 
 logger = logging.getLogger(__name__)
 
 _METADATA_ROOT = "daskwg-groups"
-_KEY_RANK = re.compile(r"-r(\d+)-[0-9a-f]{8}$")
-
-
-class ClassWithInitArgs:
-    """The class a group instantiates on every rank, with its constructor arguments.
-
-    Args:
-        cls: the user's Worker subclass (any class works; subclass :class:`daskwg.Worker`
-            to get the rank environment as attributes).
-        *args, **kwargs: passed to ``cls(*args, **kwargs)`` on every rank. They are
-            pickled (cloudpickle) once per rank.
-
-    Mirrors verl's ``verl.single_controller.base.worker_group.ClassWithInitArgs``.
-    """
-
-    def __init__(self, cls: type, *args: Any, **kwargs: Any):
-        if not isinstance(cls, type):
-            raise TypeError(f"ClassWithInitArgs needs a class, got {type(cls).__name__}")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-
-    def __call__(self) -> Any:
-        """Instantiate ``cls(*args, **kwargs)``."""
-        return self.cls(*self.args, **self.kwargs)
-
-    def __repr__(self) -> str:
-        return f"ClassWithInitArgs({self.cls.__qualname__})"
-
-
-class _Driver:
-    """Per-client driver state shared by all groups of one ``Client``.
-
-    Holds the sequence counter per worker (one lock, so that calls from several
-    threads and groups get the same relative order on every worker) and the
-    subscriptions to the scheduler's per-worker event topics, through which groups
-    learn that a worker was removed.
-    """
-
-    _registry: dict[str, _Driver] = {}
-    _registry_lock = threading.Lock()
-
-    def __init__(self, client: Client):
-        self.client = client
-        self.session = client.id
-        self.lock = threading.Lock()
-        # Sequence numbers, lost marks and busy ranks are keyed by the worker process's
-        # id (``WorkerSlot.server_id``), not its address: a Nanny restarts a worker under
-        # the same name and, with a fixed port, the same address, and its fresh plugin
-        # counts from 0 again.
-        self.next_seq: dict[str, int] = defaultdict(int)
-        self.groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
-        self.watched: set[str] = set()
-        self.server_ids: dict[str, set[str]] = defaultdict(set)
-        self.lost: dict[str, str] = {}
-        self.paused: dict[str, float] = {}
-        self.stuck: dict[str, tuple[str, str, Any]] = {}
-        self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
-        self.plugins_ready = False
-        self.call_numbers = itertools.count()
-        self.local = threading.local()
-
-    @classmethod
-    def of(cls, client: Client) -> _Driver:
-        with cls._registry_lock:
-            driver = cls._registry.get(client.id)
-            if driver is None or driver.client is not client:
-                driver = cls._registry[client.id] = cls(client)
-            return driver
-
-    def ensure_plugins(self) -> None:
-        if self.plugins_ready:
-            return
-        self.client.register_plugin(HostPlugin(), name=PLUGIN_NAME)
-        try:
-            self.client.register_plugin(_ReleaseOnClientExit(), name="daskwg-release")
-        except Exception as exc:  # noqa: BLE001 - the scheduler may not have daskwg installed
-            logger.warning(
-                "could not install daskwg's scheduler plugin (%s): groups of a driver that "
-                "exits without shutdown() stay on the workers until they restart",
-                exc,
-            )
-        self.plugins_ready = True
-
-    def channel(self) -> _Channel | None:
-        """The calling thread's :class:`_Channel`, or ``None`` where the thread already
-        runs an event loop (e.g. Jupyter) and must go through ``client.sync``."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            return None
-        channel = getattr(self.local, "channel", None)
-        if channel is None:
-            channel = self.local.channel = _Channel(self.client.connection_args)
-        return channel
-
-    def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
-        with self.lock:
-            seqs = []
-            for sid in server_ids:
-                seqs.append(self.next_seq[sid])
-                self.next_seq[sid] += 1
-            return seqs
-
-    def watch(self, slots: Sequence[Any]) -> None:
-        for slot in slots:
-            self.server_ids[slot.address].add(slot.server_id)
-            if slot.address not in self.watched:
-                self.watched.add(slot.address)
-                self.client.subscribe_topic(
-                    slot.address, functools.partial(self._on_worker_event, slot.address)
-                )
-
-    def _on_worker_event(self, address: str, event: tuple) -> None:
-        _, msg = event
-        if not isinstance(msg, dict):
-            return
-        if msg.get("action") == "remove-worker":
-            reason = msg.get("stimulus_id", "")
-            orphans = []
-            for sid in self.server_ids.pop(address, ()):
-                self.lost[sid] = reason
-                orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
-            if orphans:
-                # A task pinned to a worker that is gone would wait forever ("no-worker"
-                # state) in a plain future.result(): cancel it, saying why.
-                asyncio.ensure_future(
-                    self.client._cancel(
-                        orphans,
-                        reason="worker-lost",
-                        msg=f"WorkerLostError: the worker {address} was lost ({reason})",
-                    )
-                )
-            self.paused.pop(address, None)
-            for group in list(self.groups):
-                group._worker_lost(address, reason)
-        elif msg.get("action") == "worker-status-change":
-            # Paused workers (memory above distributed.worker.memory.pause) start no
-            # tasks, so calls on the task path wait; _gather says so instead of waiting
-            # silently. Handlers (the direct path) still run while paused.
-            if msg.get("status") == "paused":
-                self.paused.setdefault(address, time.monotonic())
-            else:
-                self.paused.pop(address, None)
-
-    def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
-        """Refuse to queue work behind a rank stuck in a call of a broken group.
-
-        The worker runs calls one at a time, so anything sent there would wait until
-        the stuck call returns (for a collective: its timeout, 30 min by default for
-        gloo), which is a hang as far as the user can tell.
-        """
-        for slot in slots:
-            entry = self.stuck.get(slot.server_id)
-            if entry is None:
-                continue
-            group_name, method, future = entry
-            if future.done():
-                self.stuck.pop(slot.server_id, None)
-                continue
-            raise GroupBrokenError(
-                f"cannot run {what} on {slot.address}: its host thread is still stuck in {method!r} of the "
-                f"broken group {group_name!r} (a rank failed while this one waited, e.g. in a collective), "
-                "and calls run one at a time there. Restart the workers (client.restart()), or let the "
-                "collective time out (pass a short timeout= to init_process_group) and retry"
-            )
-
-
-class _Channel:
-    """A private event loop and Dask ``ConnectionPool`` owned by one driver thread.
-
-    Blocking direct calls run this loop in the calling thread itself
-    (``loop.run_until_complete``) instead of handing the work to the client's loop
-    thread and waiting for it (``client.sync``): two thread switches less per call,
-    which is most of a small call's cost on a busy machine. Comms are Dask's own,
-    with the client's connection arguments (TLS included).
-    """
-
-    def __init__(self, connection_args: dict):
-        self.loop = asyncio.new_event_loop()
-        self.pool = ConnectionPool(limit=256, connection_args=connection_args)
-        self.loop.run_until_complete(self.pool.start())
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(self._fresh(coro))
-
-    @staticmethod
-    async def _fresh(coro: Any) -> Any:
-        # The loop sat idle since the last call: let it first see the connections that
-        # closed meanwhile (a worker that died or restarted), so the pool does not hand
-        # one of them out again.
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        return await coro
-
-    def __del__(self) -> None:
-        # The thread that owned this channel ended (its threading.local went away):
-        # close its connections now rather than leave "dangling stream" warnings.
-        try:
-            for comms in (*self.pool.available.values(), *self.pool.occupied.values()):
-                for comm in list(comms):
-                    comm.abort()
-            self.loop.close()
-        except Exception:  # noqa: BLE001 - best effort at garbage collection
-            pass
-
-
-class _CallWatch:
-    """Tells when one call on one worker has finished, by polling the worker's
-    ``daskwg_progress`` from the client's event loop. ``done()`` like a future."""
-
-    def __init__(self, driver: _Driver, address: str, seq: int, interval: float = 0.1):
-        self._event = threading.Event()
-        driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    async def _poll(self, driver: _Driver, address: str, seq: int, interval: float) -> None:
-        try:
-            while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
-                await asyncio.sleep(interval)
-                interval = min(interval * 1.5, 2.0)  # a stuck collective may take minutes
-        except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
-            pass
-        self._event.set()
-
-
-class _ReleaseOnClientExit(SchedulerPlugin):
-    """Scheduler plugin: when a driver's client leaves, tell every worker to destroy
-    that driver's non-detached ranks, so a new driver can use the workers at once."""
-
-    name = "daskwg-release"
-    idempotent = True
-
-    async def start(self, scheduler) -> None:
-        self.scheduler = scheduler
-
-    def remove_client(self, scheduler, client: str) -> None:
-        if client.startswith("fire-and-forget") or not scheduler.workers:
-            return
-        asyncio.ensure_future(
-            scheduler.broadcast(msg={"op": "daskwg_release", "client": client}, on_error="ignore")
-        )
 
 
 class WorkerGroup:
@@ -386,10 +119,7 @@ class WorkerGroup:
             )
 
         self._client = client
-        self._driver = _Driver.of(client)
         self._cls = cls_with_init.cls
-        from .colocate import role_classes_of
-
         self._role_classes = role_classes_of(cls_with_init)
         self._group_id = uuid.uuid4().hex
         self._name = name or f"{self._cls.__name__}-{self._group_id[:8]}"
@@ -397,15 +127,11 @@ class WorkerGroup:
         self._owner = client.id
         self._detached = detached
         self._closed = False
-        self._broken: WorkerGroupError | None = None
-        self._unsettled: tuple[float, str, int, list] | None = None
         self._dispatch_info: dict[str, list[int]] = {}
         self._collect_info: dict[str, list[bool]] = {}
         self._methods = self._bind_registered_methods()
-        self._driver.ensure_plugins()
+        self._transport = GroupTransport(client, self._slots, self._name, self._group_id, self._owner)
         self._check_name_free()
-        self._driver.groups.add(self)
-        self._driver.watch(self._slots)
 
         self._master_addr = self._slots[0].host
         self._master_port = self._reserve_port(master_port)
@@ -439,7 +165,7 @@ class WorkerGroup:
             )
         except BaseException:
             self._destroy_ranks()
-            self._driver.groups.discard(self)
+            self._transport.close()
             self._closed = True
             raise
         self._publish()
@@ -470,6 +196,10 @@ class WorkerGroup:
     def method_names(self) -> list[str]:
         """Names of the registered methods bound on this group."""
         return sorted(self._methods)
+
+    @property
+    def _broken(self) -> WorkerGroupError | None:
+        return self._transport.broken
 
     @property
     def is_broken(self) -> bool:
@@ -519,9 +249,7 @@ class WorkerGroup:
             TypeError: this group's class is not a colocated worker.
             ValueError: an unknown role name.
         """
-        from .colocate import spawn_role_groups
-
-        return spawn_role_groups(self, prefix_set)
+        return _spawn_role_groups(self, prefix_set)
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
         """Set every role group of :meth:`spawn` as an attribute: ``wg.actor.add(data)``
@@ -549,7 +277,7 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        self._driver.groups.discard(self)
+        self._transport.close()
         if self._client.status not in ("running", "connecting"):
             # The workers released this driver's ranks when its client left.
             return
@@ -608,7 +336,6 @@ class WorkerGroup:
                 f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
             )
         self._client = client
-        self._driver = _Driver.of(client)
         self._cls = pickle.loads(record["cls"])
         self._role_classes = None
         self._group_id = record["group_id"]
@@ -617,15 +344,11 @@ class WorkerGroup:
         self._owner = record["owner"]
         self._detached = True
         self._closed = False
-        self._broken = None
-        self._unsettled = None
         self._dispatch_info = {}
         self._collect_info = {}
         self._master_addr, self._master_port = record["master_addr"], record["master_port"]
         self._methods = self._bind_registered_methods()
-        self._driver.ensure_plugins()
-        self._driver.groups.add(self)
-        self._driver.watch(self._slots)
+        self._transport = GroupTransport(client, self._slots, name, self._group_id, self._owner)
         return self
 
     # ---- building ----------------------------------------------------------------------
@@ -678,25 +401,18 @@ class WorkerGroup:
         )
 
     def _reserve_port(self, port: int | None) -> int:
-        return self._client.sync(self._reserve_port_async, port)
-
-    async def _reserve_port_async(self, port: int | None) -> int:
-        addr = self._slots[0].address
-        try:
-            return await self._client.rpc(addr).daskwg_reserve_port(port=port)
-        except OSError as exc:
-            raise OSError(str(exc)) from None
+        return self._client.sync(self._transport.reserve_port, port)
 
     def _init_settle_seconds(self) -> float:
         return float(dask.config.get("daskwg.rank-failure-grace"))
 
     def _destroy_ranks(self) -> None:
-        alive = [r for r, s in enumerate(self._slots) if s.server_id not in self._driver.lost]
+        alive = [r for r, s in enumerate(self._slots) if s.server_id not in self._transport.driver.lost]
         # A rank stuck in a call of this (broken) group destroys its object only when
         # that call returns; waiting for it here could take until a collective's timeout.
         # So does every rank of a broken group: one may still be running the call
         # that broke it (the other ranks of a lost worker's call, say).
-        stuck = [r for r in alive if self._broken is not None or self._is_stuck(self._slots[r])]
+        stuck = [r for r in alive if self._broken is not None or self._transport.is_stuck(self._slots[r])]
         alive = [r for r in alive if r not in stuck]
         try:
             if stuck:
@@ -787,52 +503,7 @@ class WorkerGroup:
             raise self._broken
 
     def _settle(self) -> None:
-        """Decide whether an earlier failed call left ranks out of step.
-
-        After a rank raised, the other ranks of that call get a grace period
-        (``daskwg.rank-failure-grace`` seconds) to finish; ranks still running after
-        it are stuck (typically in a collective waiting for the failed rank), so the
-        group is broken.
-        """
-        if self._unsettled is None or self._broken is not None:
-            return
-        deadline, method, failed_rank, pending = self._unsettled
-        while time.monotonic() < deadline and not all(p.done() for _, p in pending):
-            time.sleep(0.02)
-        self._unsettled = None
-        stuck = self._mark_stuck(method, pending)
-        if stuck:
-            self._broken = GroupBrokenError(
-                f"group {self._name!r} is broken: rank {failed_rank} failed in {method!r} while other ranks "
-                "were still running it (e.g. waiting in a collective); shut the group down and build a new "
-                "one (restart the workers if their threads stay stuck: client.restart())"
-            )
-
-    def _mark_stuck(self, method: str, pending: list) -> list:
-        """Record ``(rank, future)`` pairs still running a failed call on the driver, so
-        that nothing is queued behind them (:meth:`_Driver.check_not_stuck`)."""
-        stuck = [(rank, p) for rank, p in pending if not p.done()]
-        for rank, p in stuck:
-            self._driver.stuck[self._slots[rank].server_id] = (self._name, method, p)
-        return stuck
-
-    def _is_stuck(self, slot: Any) -> bool:
-        entry = self._driver.stuck.get(slot.server_id)
-        return entry is not None and not entry[2].done()
-
-    def _worker_lost(self, address: str, reason: str) -> None:
-        for rank, slot in enumerate(self._slots):
-            if slot.address == address and slot.server_id in self._driver.lost and self._broken is None:
-                self._broken = WorkerLostError(rank, address, reason)
-
-    def _raise_if_lost(self, ranks: Sequence[int]) -> None:
-        if isinstance(self._broken, WorkerLostError):
-            raise self._broken
-        for rank in ranks:
-            slot = self._slots[rank]
-            if slot.server_id in self._driver.lost:
-                self._broken = WorkerLostError(rank, slot.address, self._driver.lost[slot.server_id])
-                raise self._broken
+        self._transport.settle()
 
     def _send(
         self,
@@ -845,7 +516,8 @@ class WorkerGroup:
         check: bool = True,
         settle: float | None = None,
     ) -> list:
-        """Send one call to each of ``ranks``; values if blocking, else Dask futures."""
+        """Send one call to each of ``ranks`` (:meth:`GroupTransport.send`), after
+        checking that the group is usable and has the method."""
         if check:
             self._check_usable(method_name)
             if method_name not in self._methods and not hasattr(self._cls, method_name):
@@ -853,258 +525,103 @@ class WorkerGroup:
                     f"{self._cls.__name__} has no method {method_name!r}; registered methods: "
                     f"{sorted(self._methods)}"
                 )
-        lazies: list[list[list]] = [[] for _ in ranks]
-        if not raw_payload:
-            payloads = [_extract_lazies(p, lz) for p, lz in zip(payloads, lazies)]
-        slots = [self._slots[r] for r in ranks]
-        if check:
-            # A lost worker fails at once (no connection attempt, no task that never
-            # runs), and nothing is queued behind a rank stuck in a broken group's call.
-            self._raise_if_lost(ranks)
-            self._driver.check_not_stuck(slots, f"{self._name}.{method_name}")
-        seqs = self._driver.take_seqs([s.server_id for s in slots])
-        calls = [
-            Call(
-                session=self._driver.session,
-                seq=seq,
-                group_id=self._group_id,
-                group_name=self._name,
-                rank=rank,
-                method=method_name,
-                owner=self._owner,
-                worker_id=slot.server_id,
-            )
-            for rank, seq, slot in zip(ranks, seqs, slots)
-        ]
-        grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
-        if blocking and not any(lazies):
-            channel = self._driver.channel()
-            if channel is None:
-                return self._client.sync(self._send_direct, self._client.rpc, calls, payloads, grace, False)
-            return channel.run(self._send_direct(channel.pool, calls, payloads, grace, True))
-        futures = self._submit(calls, payloads, lazies)
-        if blocking:
-            return self._gather(futures, method_name, grace)
-        return futures
+        return self._transport.send(
+            method_name,
+            ranks,
+            payloads,
+            blocking=blocking,
+            raw_payload=raw_payload,
+            check=check,
+            settle=settle,
+        )
 
-    async def _send_direct(
-        self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool
-    ) -> list:
-        """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
-
-        ``pool`` is a Dask ``ConnectionPool``: the client's (on the client's event loop)
-        or the calling thread's own (:class:`_Channel`), which saves the two thread
-        hops of ``client.sync`` on every call.
-        """
-
-        async def one(call: Call, payload: Any) -> Any:
-            address = self._slots[call.rank].address
-            try:
-                response = await pool(address).daskwg_call(
-                    call=dataclasses.astuple(call), payload=serialization.pack(payload)
-                )
-            except (CommClosedError, OSError) as exc:
-                sid = self._slots[call.rank].server_id
-                reason = self._driver.lost.setdefault(sid, f"connection lost: {exc}")
-                self._worker_lost(address, reason)
-                raise self._broken or WorkerLostError(call.rank, address, str(exc)) from None
-            except _TRANSFER_ERRORS as exc:
-                # The arguments could not be unpickled on the worker, or the result here:
-                # name the call instead of a bare Dask protocol error. If the call never
-                # reached the host, its place in the order must be given up, or every
-                # later call to this worker would wait behind it (skip is a no-op if it ran).
-                try:
-                    await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
-                except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
-                    pass
-                raise _transfer_error(call.rank, address, call.method, exc) from None
-            if response.get("status") != "OK":
-                raise response["exception"]
-            try:
-                return serialization.unpack(response["result"])
-            except _TRANSFER_ERRORS as exc:
-                raise _transfer_error(call.rank, address, call.method, exc) from None
-
-        tasks = [asyncio.ensure_future(one(c, p)) for c, p in zip(calls, payloads)]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-        if failed:
-            first = failed[0]
-            pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
-            pending = [(c.rank, t) for c, t in pending_calls]
-            for _, t in pending_calls:
-                t.add_done_callback(_consume_exception)
-            if private:
-                # The private loop only runs while its thread is in a call, so its
-                # tasks cannot tell when these ranks finish: ask their workers instead.
-                # The tasks stay on that loop and finish whenever it runs again (their
-                # error handling must still run: e.g. giving up an undelivered call's place).
-                pending = [
-                    (c.rank, _CallWatch(self._driver, self._slots[c.rank].address, c.seq))
-                    for c, _ in pending_calls
-                ]
-            exc = first.exception()
-            if pending and isinstance(exc, RankError):
-                self._unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)
-            elif pending and isinstance(exc, WorkerLostError):
-                self._mark_stuck(calls[0].method, pending)
-            raise exc
-        return [t.result() for t in tasks]
-
-    def _submit(self, calls: list[Call], payloads: list, lazies: list[list[list]]) -> list[Future]:
-        call_no = next(self._driver.call_numbers)
-        futures = []
-        try:
-            for call, payload, call_lazies in zip(calls, payloads, lazies):
-                address = self._slots[call.rank].address
-                key = f"{self._name}.{call.method}-{call_no}-r{call.rank}-{self._group_id[:8]}"
-                future = self._client.submit(
-                    run_call,
-                    call,
-                    payload,
-                    call_lazies or None,
-                    key=key,
-                    workers=[address],
-                    allow_other_workers=False,
-                    pure=False,
-                    retries=0,
-                )
-                future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
-                self._driver.inflight[self._slots[call.rank].server_id].add(future)
-                futures.append(future)
-        except BaseException:
-            # Calls that were never submitted must not hold up later ones on their workers.
-            for call in calls[len(futures) :]:
-                self._client.loop.add_callback(self._send_skip, self._slots[call.rank].address, [call.seq])
-            raise
-        return futures
-
-    def _skip_if_not_run(self, address: str, seq: int, future: Future) -> None:
-        status = future.status
-        if status == "finished":
-            return
-        if status == "error":
-            try:
-                exc = future.exception(timeout=5)
-            except Exception:  # noqa: BLE001
-                exc = None
-            if isinstance(exc, RankError):
-                return  # it ran (and raised) on its rank: its place in the order is used
-        self._client.loop.add_callback(self._send_skip, address, [seq])
-
-    async def _send_skip(self, address: str, seqs: list[int]) -> None:
-        try:
-            await self._client.rpc(address).daskwg_skip(session=self._driver.session, seqs=seqs)
-        except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits on it then
-            pass
-
-    def _gather(self, futures: list[Future], method_name: str, grace: float | None = None) -> list:
-        """Wait for per-rank futures; the first failure raises at once. Never waits on a
-        lost worker: its rank raises ``WorkerLostError`` within the poll interval."""
-        ranks = [_rank_of(f) for f in futures]
-        poll = float(dask.config.get("daskwg.poll-interval"))
-        warned: set[str] = set()
-        while True:
-            failed = [f for f in futures if f.status in ("error", "cancelled")]
-            pending = [f for f in futures if not f.done()]
-            if failed:
-                exc = self._future_error(failed[0], method_name)
-                if pending and isinstance(exc, RankError):
-                    wait_s = float(dask.config.get("daskwg.rank-failure-grace")) if grace is None else grace
-                    pending_ranks = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
-                    self._unsettled = (time.monotonic() + wait_s, method_name, exc.rank, pending_ranks)
-                raise exc
-            if not pending:
-                try:
-                    return self._client.gather(futures)
-                except _TRANSFER_ERRORS as exc:
-                    raise _transfer_error(-1, "?", method_name, exc) from None
-            try:
-                self._raise_if_lost([r for r, f in zip(ranks, futures) if not f.done()])
-            except WorkerLostError:
-                self._mark_stuck(method_name, [(r, f) for r, f in zip(ranks, futures) if not f.done()])
-                raise
-            self._warn_if_paused([r for r, f in zip(ranks, futures) if not f.done()], method_name, warned)
-            try:
-                dask_wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
-            except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
-                pass  # a cancelled future is reported by the next round
-
-    def _warn_if_paused(self, ranks: Sequence[int | None], method_name: str, warned: set[str]) -> None:
-        after = float(dask.config.get("daskwg.paused-warning"))
-        for rank in ranks:
-            if rank is None:
-                continue
-            address = self._slots[rank].address
-            since = self._driver.paused.get(address)
-            if since is None or address in warned or time.monotonic() - since < after:
-                continue
-            warned.add(address)
-            logger.warning(
-                "%s.%s: rank %d waits on worker %s, which is paused (its memory use is above "
-                "distributed.worker.memory.pause) and starts no tasks until it frees memory; "
-                "free memory there, raise the worker's memory_limit or the pause threshold",
-                self._name,
-                method_name,
-                rank,
-                address,
-            )
-
-    def _future_error(self, future: Future, method_name: str) -> BaseException:
-        rank = _rank_of(future)
-        address = self._slots[rank].address if rank is not None else "?"
-        if future.status == "cancelled":
-            if rank is not None and self._slots[rank].server_id in self._driver.lost:
-                slot = self._slots[rank]
-                self._broken = self._broken or WorkerLostError(
-                    rank, slot.address, self._driver.lost[slot.server_id]
-                )
-                return self._broken
-            return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
-        exc = future.exception()
-        if isinstance(exc, WorkerGroupError):
-            return exc
-        tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
-        return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
+    def _gather(self, futures: list[Future], method_name: str) -> list:
+        return self._transport.gather(futures, method_name)
 
     def _gather_any(self, futures: list) -> list:
-        return self._gather(list(futures), "DataProtoFuture.get")
+        return self._transport.gather_any(futures)
+
+
+class _RoleGroup(WorkerGroup):
+    """One role of a colocated group: the role's registered methods over the same ranks.
+
+    Built by :meth:`WorkerGroup.spawn`. It owns nothing: ranks, connection and failure
+    state are the colocated group's (``parent``). Only its bound methods and its mesh
+    caches (``_dispatch_info``/``_collect_info``, filled from the role's own mesh
+    registration) are its own.
+    """
+
+    def __init__(self, parent: WorkerGroup, role: str, role_cls: type):
+        # WorkerGroup.__init__ is not called: the ranks exist already.
+        self._parent = parent
+        self._role = role
+        self._cls = role_cls
+        self._dispatch_info = {}
+        self._collect_info = {}
+        self._methods = self._bind_registered_methods()
+
+    def __getattr__(self, item: str) -> Any:
+        # Everything not set above (client, slots, name, failure state, ...) is the
+        # parent's, read live, so the role group never holds a stale copy.
+        if item.startswith("_") and not item.startswith("__") and item not in ("_parent", "_methods", "_cls"):
+            parent = self.__dict__.get("_parent")
+            if parent is not None:
+                return getattr(parent, item)
+        return super().__getattr__(item)
+
+    def __repr__(self) -> str:
+        return f"<role group {self._role!r} of {self._parent!r}>"
+
+    def _check_usable(self, method_name: str) -> None:
+        self._parent._check_usable(f"{self._role}_{method_name}")
+
+    def _settle(self) -> None:
+        self._parent._settle()
+
+    def _gather_any(self, futures: list) -> list:
+        return self._parent._gather_any(futures)
+
+    def _send(
+        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any
+    ) -> list:
+        if check:
+            self._check_usable(method_name)
+            if method_name not in self._methods and not hasattr(self._cls, method_name):
+                raise AttributeError(
+                    f"role {self._role!r} ({self._cls.__name__}) has no method {method_name!r}; "
+                    f"registered methods: {sorted(self._methods)}"
+                )
+        return self._parent._send(f"{self._role}_{method_name}", ranks, payloads, check=False, **kwargs)
+
+    def shutdown(self) -> None:
+        """Does nothing: the ranks belong to the colocated group; shut that one down."""
+
+
+def _spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
+    """``WorkerGroup.spawn``: one :class:`_RoleGroup` per requested role, in the order given."""
+    if not (isinstance(group._cls, type) and issubclass(group._cls, ColocatedWorker)):
+        raise TypeError(
+            f"spawn needs a group built from create_colocated_worker_cls (a ColocatedWorker); "
+            f"group {group.name!r} runs {group._cls.__name__}"
+        )
+    if isinstance(prefix_set, str):
+        raise TypeError("prefix_set must be a collection of role names, not a string")
+    wanted = list(prefix_set)
+    role_classes = group._role_classes
+    if role_classes is None:
+        # Not built by this driver (attached): ask rank 0.
+        role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
+    unknown = [role for role in wanted if role not in role_classes]
+    if unknown:
+        raise ValueError(f"group {group.name!r} has no role(s) {unknown}; its roles are {list(role_classes)}")
+    return {role: _RoleGroup(group, role, role_classes[role]) for role in wanted}
 
 
 _RESERVED = {"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"}
 
 
-#: What Dask raises when a result cannot be serialised on the worker or deserialised here.
-_TRANSFER_ERRORS = (TypeError, pickle.PicklingError, pickle.UnpicklingError, AttributeError, ImportError)
-
-
-def _transfer_error(rank: int, address: str, method: str, exc: BaseException) -> RankError:
-    return RankError(
-        rank,
-        address,
-        method,
-        "",
-        TypeError(
-            f"the arguments or the result of {method!r} could not cross between the driver and the worker: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the workers must be able to "
-            "import every class and function sent to them (install its module there), and results must be "
-            "tensors, numpy arrays, DataProto or plain data"
-        ),
-    )
-
-
 def _connected_clients(dask_scheduler) -> list[str]:
     return list(dask_scheduler.clients)
-
-
-def _consume_exception(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-def _rank_of(future: Future) -> int | None:
-    match = _KEY_RANK.search(str(future.key))
-    return int(match.group(1)) if match else None
 
 
 def _check_worker_env(worker_env: Mapping[str, str] | None) -> dict[str, str]:
@@ -1132,20 +649,3 @@ def _check_per_rank(value: Any, world_size: int, what: str) -> None:
         raise DispatchError(
             f"{what}: the dispatch function must give one value per rank ({world_size}), got {got}"
         )
-
-
-def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:
-    """Replace ``DataProtoFuture`` arguments by :class:`LazyArg` placeholders.
-
-    Their Dask futures are appended to ``lazies`` (a list the Dask task takes as an
-    argument, so Dask resolves them on the worker).
-    """
-    args, kwargs = payload
-
-    def swap(value: Any) -> Any:
-        if isinstance(value, DataProtoFuture):
-            lazies.append(list(value.futures))
-            return LazyArg(len(lazies) - 1, value.transform)
-        return value
-
-    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}

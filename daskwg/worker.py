@@ -17,7 +17,7 @@ from typing import Any
 
 from .decorator import Dispatch, Execute, register
 
-__all__ = ["DistGlobalInfo", "DistRankInfo", "Worker"]
+__all__ = ["ClassWithInitArgs", "DistGlobalInfo", "DistRankInfo", "Worker"]
 
 
 @dataclass
@@ -351,3 +351,30 @@ class Worker:
         ``ONE_TO_ALL``: rank 0 gets the arguments exactly as given, as in verl.
         """
         return func(*args, **kwargs)
+
+
+class ClassWithInitArgs:
+    """The class a group instantiates on every rank, with its constructor arguments.
+
+    Args:
+        cls: the user's Worker subclass (any class works; subclass :class:`daskwg.Worker`
+            to get the rank environment as attributes).
+        *args, **kwargs: passed to ``cls(*args, **kwargs)`` on every rank. They are
+            pickled (cloudpickle) once per rank.
+
+    Mirrors verl's ``verl.single_controller.base.worker_group.ClassWithInitArgs``.
+    """
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any):
+        if not isinstance(cls, type):
+            raise TypeError(f"ClassWithInitArgs needs a class, got {type(cls).__name__}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self) -> Any:
+        """Instantiate ``cls(*args, **kwargs)``."""
+        return self.cls(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"ClassWithInitArgs({self.cls.__qualname__})"

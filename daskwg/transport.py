@@ -1,0 +1,656 @@
+"""How calls and data travel between the driver and the ranks.
+
+A group call goes dispatch (``decorator``) → send (this module) → host (``plugin``) →
+collect (``decorator``). This module is the send step and everything it needs in the
+driver: per-client state (:class:`Driver`: sequence numbers, lost and paused workers),
+the two ways a call reaches its ranks, the per-thread connections of blocking calls
+(:class:`Channel`) and the failure state of one group's ranks (:class:`GroupTransport`).
+
+Two ways to send, one order: every call gets, per worker, the next sequence number of
+this driver, and the worker runs calls strictly in that order whichever way they came.
+
+* Blocking calls whose arguments are all in the driver go straight to the hosting
+  workers over Dask's comm (the ``daskwg_call`` handler), like Dask actors: one
+  round trip, no scheduler hop.
+* Non-blocking calls, and calls that take a ``DataProtoFuture``, are Dask tasks
+  (``client.submit`` pinned with ``workers=[address]``, ``allow_other_workers=False``,
+  ``pure=False``, no retries), named ``"<group>.<method>-<call>-r<rank>-<id>"`` on the
+  dashboard. Their results stay on the workers as Dask futures, and futures passed to
+  the next call move worker to worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import logging
+import pickle
+import re
+import threading
+import time
+import traceback
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import dask.config
+from distributed import Client, Future
+from distributed import wait as dask_wait
+from distributed.client import FuturesCancelledError
+from distributed.comm.core import CommClosedError
+from distributed.core import ConnectionPool
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
+from . import serialization  # also installs the tensor serializer in the driver
+from .errors import GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from .futures import DataProtoFuture
+from .plugin import PLUGIN_NAME, Call, HostPlugin, LazyArg, run_call
+
+__all__ = ["Driver", "Channel", "CallWatch", "GroupTransport", "ReleaseOnClientExit"]
+
+logger = logging.getLogger(__name__)
+
+_KEY_RANK = re.compile(r"-r(\d+)-[0-9a-f]{8}$")
+
+
+class Driver:
+    """Per-client driver state shared by all groups of one ``Client``.
+
+    Holds the sequence counter per worker (one lock, so that calls from several
+    threads and groups get the same relative order on every worker) and the
+    subscriptions to the scheduler's per-worker event topics, through which groups
+    learn that a worker was removed.
+    """
+
+    _registry: dict[str, Driver] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.session = client.id
+        self.lock = threading.Lock()
+        # Sequence numbers, lost marks and busy ranks are keyed by the worker process's
+        # id (``WorkerSlot.server_id``), not its address: a Nanny restarts a worker under
+        # the same name and, with a fixed port, the same address, and its fresh plugin
+        # counts from 0 again.
+        self.next_seq: dict[str, int] = defaultdict(int)
+        self.transports: weakref.WeakSet[GroupTransport] = weakref.WeakSet()
+        self.watched: set[str] = set()
+        self.server_ids: dict[str, set[str]] = defaultdict(set)
+        self.lost: dict[str, str] = {}
+        self.paused: dict[str, float] = {}
+        self.stuck: dict[str, tuple[str, str, Any]] = {}
+        self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
+        self.plugins_ready = False
+        self.call_numbers = itertools.count()
+        self.local = threading.local()
+
+    @classmethod
+    def of(cls, client: Client) -> Driver:
+        with cls._registry_lock:
+            driver = cls._registry.get(client.id)
+            if driver is None or driver.client is not client:
+                driver = cls._registry[client.id] = cls(client)
+            return driver
+
+    def ensure_plugins(self) -> None:
+        if self.plugins_ready:
+            return
+        self.client.register_plugin(HostPlugin(), name=PLUGIN_NAME)
+        try:
+            self.client.register_plugin(ReleaseOnClientExit(), name="daskwg-release")
+        except Exception as exc:  # noqa: BLE001 - the scheduler may not have daskwg installed
+            logger.warning(
+                "could not install daskwg's scheduler plugin (%s): groups of a driver that "
+                "exits without shutdown() stay on the workers until they restart",
+                exc,
+            )
+        self.plugins_ready = True
+
+    def channel(self) -> Channel | None:
+        """The calling thread's :class:`Channel`, or ``None`` where the thread already
+        runs an event loop (e.g. Jupyter) and must go through ``client.sync``."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            return None
+        channel = getattr(self.local, "channel", None)
+        if channel is None:
+            channel = self.local.channel = Channel(self.client.connection_args)
+        return channel
+
+    def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
+        with self.lock:
+            seqs = []
+            for sid in server_ids:
+                seqs.append(self.next_seq[sid])
+                self.next_seq[sid] += 1
+            return seqs
+
+    def watch(self, slots: Sequence[Any]) -> None:
+        for slot in slots:
+            self.server_ids[slot.address].add(slot.server_id)
+            if slot.address not in self.watched:
+                self.watched.add(slot.address)
+                self.client.subscribe_topic(
+                    slot.address, functools.partial(self._on_worker_event, slot.address)
+                )
+
+    def _on_worker_event(self, address: str, event: tuple) -> None:
+        _, msg = event
+        if not isinstance(msg, dict):
+            return
+        if msg.get("action") == "remove-worker":
+            reason = msg.get("stimulus_id", "")
+            orphans = []
+            for sid in self.server_ids.pop(address, ()):
+                self.lost[sid] = reason
+                orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            if orphans:
+                # A task pinned to a worker that is gone would wait forever ("no-worker"
+                # state) in a plain future.result(): cancel it, saying why.
+                asyncio.ensure_future(
+                    self.client._cancel(
+                        orphans,
+                        reason="worker-lost",
+                        msg=f"WorkerLostError: the worker {address} was lost ({reason})",
+                    )
+                )
+            self.paused.pop(address, None)
+            for transport in list(self.transports):
+                transport.worker_lost(address, reason)
+        elif msg.get("action") == "worker-status-change":
+            # Paused workers (memory above distributed.worker.memory.pause) start no
+            # tasks, so calls on the task path wait; _gather says so instead of waiting
+            # silently. Handlers (the direct path) still run while paused.
+            if msg.get("status") == "paused":
+                self.paused.setdefault(address, time.monotonic())
+            else:
+                self.paused.pop(address, None)
+
+    def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
+        """Refuse to queue work behind a rank stuck in a call of a broken group.
+
+        The worker runs calls one at a time, so anything sent there would wait until
+        the stuck call returns (for a collective: its timeout, 30 min by default for
+        gloo), which is a hang as far as the user can tell.
+        """
+        for slot in slots:
+            entry = self.stuck.get(slot.server_id)
+            if entry is None:
+                continue
+            group_name, method, future = entry
+            if future.done():
+                self.stuck.pop(slot.server_id, None)
+                continue
+            raise GroupBrokenError(
+                f"cannot run {what} on {slot.address}: its host thread is still stuck in {method!r} of the "
+                f"broken group {group_name!r} (a rank failed while this one waited, e.g. in a collective), "
+                "and calls run one at a time there. Restart the workers (client.restart()), or let the "
+                "collective time out (pass a short timeout= to init_process_group) and retry"
+            )
+
+
+class Channel:
+    """A private event loop and Dask ``ConnectionPool`` owned by one driver thread.
+
+    Blocking direct calls run this loop in the calling thread itself
+    (``loop.run_until_complete``) instead of handing the work to the client's loop
+    thread and waiting for it (``client.sync``): two thread switches less per call,
+    which is most of a small call's cost on a busy machine. Comms are Dask's own,
+    with the client's connection arguments (TLS included).
+    """
+
+    def __init__(self, connection_args: dict):
+        self.loop = asyncio.new_event_loop()
+        self.pool = ConnectionPool(limit=256, connection_args=connection_args)
+        self.loop.run_until_complete(self.pool.start())
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(self._fresh(coro))
+
+    @staticmethod
+    async def _fresh(coro: Any) -> Any:
+        # The loop sat idle since the last call: let it first see the connections that
+        # closed meanwhile (a worker that died or restarted), so the pool does not hand
+        # one of them out again.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return await coro
+
+    def __del__(self) -> None:
+        # The thread that owned this channel ended (its threading.local went away):
+        # close its connections now rather than leave "dangling stream" warnings.
+        try:
+            for comms in (*self.pool.available.values(), *self.pool.occupied.values()):
+                for comm in list(comms):
+                    comm.abort()
+            self.loop.close()
+        except Exception:  # noqa: BLE001 - best effort at garbage collection
+            pass
+
+
+class CallWatch:
+    """Tells when one call on one worker has finished, by polling the worker's
+    ``daskwg_progress`` from the client's event loop. ``done()`` like a future."""
+
+    def __init__(self, driver: Driver, address: str, seq: int, interval: float = 0.1):
+        self._event = threading.Event()
+        driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    async def _poll(self, driver: Driver, address: str, seq: int, interval: float) -> None:
+        try:
+            while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
+                await asyncio.sleep(interval)
+                interval = min(interval * 1.5, 2.0)  # a stuck collective may take minutes
+        except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
+            pass
+        self._event.set()
+
+
+class ReleaseOnClientExit(SchedulerPlugin):
+    """Scheduler plugin: when a driver's client leaves, tell every worker to destroy
+    that driver's non-detached ranks, so a new driver can use the workers at once."""
+
+    name = "daskwg-release"
+    idempotent = True
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def remove_client(self, scheduler, client: str) -> None:
+        if client.startswith("fire-and-forget") or not scheduler.workers:
+            return
+        asyncio.ensure_future(
+            scheduler.broadcast(msg={"op": "daskwg_release", "client": client}, on_error="ignore")
+        )
+
+
+class GroupTransport:
+    """How the calls of one group reach its ranks, and what the driver knows of their state.
+
+    Args:
+        client: the group's synchronous ``distributed.Client``.
+        slots: one ``pool.WorkerSlot`` per rank, in rank order.
+        name: the group's name (task keys, messages).
+        group_id: the group's unique id (the hosts key rank objects by it).
+        owner: the client id that owns the group's ranks.
+
+    Attributes:
+        broken: the error every later call raises (a lost worker, ranks out of step),
+            or ``None`` while the group is usable.
+    """
+
+    def __init__(self, client: Client, slots: Sequence[Any], name: str, group_id: str, owner: str):
+        self.client = client
+        self.driver = Driver.of(client)
+        self.slots = list(slots)
+        self.name = name
+        self.group_id = group_id
+        self.owner = owner
+        self.broken: WorkerGroupError | None = None
+        self.unsettled: tuple[float, str, int, list] | None = None
+        self.driver.ensure_plugins()
+        self.driver.transports.add(self)
+        self.driver.watch(self.slots)
+
+    def close(self) -> None:
+        """Stop following the workers' events for this group."""
+        self.driver.transports.discard(self)
+
+    async def reserve_port(self, port: int | None) -> int:
+        """Reserve ``MASTER_PORT`` on rank 0's host (``port``, or a free one).
+
+        Raises:
+            OSError: ``port`` is in use there.
+        """
+        try:
+            return await self.client.rpc(self.slots[0].address).daskwg_reserve_port(port=port)
+        except OSError as exc:
+            raise OSError(str(exc)) from None
+
+    def settle(self) -> None:
+        """Decide whether an earlier failed call left ranks out of step.
+
+        After a rank raised, the other ranks of that call get a grace period
+        (``daskwg.rank-failure-grace`` seconds) to finish; ranks still running after
+        it are stuck (typically in a collective waiting for the failed rank), so the
+        group is broken.
+        """
+        if self.unsettled is None or self.broken is not None:
+            return
+        deadline, method, failed_rank, pending = self.unsettled
+        while time.monotonic() < deadline and not all(p.done() for _, p in pending):
+            time.sleep(0.02)
+        self.unsettled = None
+        stuck = self.mark_stuck(method, pending)
+        if stuck:
+            self.broken = GroupBrokenError(
+                f"group {self.name!r} is broken: rank {failed_rank} failed in {method!r} while other ranks "
+                "were still running it (e.g. waiting in a collective); shut the group down and build a new "
+                "one (restart the workers if their threads stay stuck: client.restart())"
+            )
+
+    def mark_stuck(self, method: str, pending: list) -> list:
+        """Record ``(rank, future)`` pairs still running a failed call on the driver, so
+        that nothing is queued behind them (:meth:`_Driver.check_not_stuck`)."""
+        stuck = [(rank, p) for rank, p in pending if not p.done()]
+        for rank, p in stuck:
+            self.driver.stuck[self.slots[rank].server_id] = (self.name, method, p)
+        return stuck
+
+    def is_stuck(self, slot: Any) -> bool:
+        entry = self.driver.stuck.get(slot.server_id)
+        return entry is not None and not entry[2].done()
+
+    def worker_lost(self, address: str, reason: str) -> None:
+        for rank, slot in enumerate(self.slots):
+            if slot.address == address and slot.server_id in self.driver.lost and self.broken is None:
+                self.broken = WorkerLostError(rank, address, reason)
+
+    def raise_if_lost(self, ranks: Sequence[int]) -> None:
+        if isinstance(self.broken, WorkerLostError):
+            raise self.broken
+        for rank in ranks:
+            slot = self.slots[rank]
+            if slot.server_id in self.driver.lost:
+                self.broken = WorkerLostError(rank, slot.address, self.driver.lost[slot.server_id])
+                raise self.broken
+
+    def send(
+        self,
+        method_name: str,
+        ranks: list[int],
+        payloads: list,
+        *,
+        blocking: bool,
+        raw_payload: bool = False,
+        check: bool = True,
+        settle: float | None = None,
+    ) -> list:
+        """Send one call to each of ``ranks``; values if blocking, else Dask futures.
+
+        Args:
+            method_name: the method the ranks run (``"__init__"``/``"__del__"`` build and
+                destroy the rank objects).
+            ranks: the ranks to call, e.g. ``[0]`` or ``list(range(world_size))``.
+            payloads: per rank in ``ranks``, ``(args, kwargs)`` (or the raw payload of a
+                life-cycle call with ``raw_payload=True``).
+            blocking: wait and return the per-rank values, or return Dask futures.
+            check: refuse at once when a rank's worker is lost or stuck (off for shutdown).
+            settle: seconds the other ranks get after one raised (default
+                ``daskwg.rank-failure-grace``).
+        Raises:
+            RankError, WorkerLostError, GroupBrokenError: as the call fails.
+        """
+        lazies: list[list[list]] = [[] for _ in ranks]
+        if not raw_payload:
+            payloads = [_extract_lazies(p, lz) for p, lz in zip(payloads, lazies)]
+        slots = [self.slots[r] for r in ranks]
+        if check:
+            # A lost worker fails at once (no connection attempt, no task that never
+            # runs), and nothing is queued behind a rank stuck in a broken group's call.
+            self.raise_if_lost(ranks)
+            self.driver.check_not_stuck(slots, f"{self.name}.{method_name}")
+        seqs = self.driver.take_seqs([s.server_id for s in slots])
+        calls = [
+            Call(
+                session=self.driver.session,
+                seq=seq,
+                group_id=self.group_id,
+                group_name=self.name,
+                rank=rank,
+                method=method_name,
+                owner=self.owner,
+                worker_id=slot.server_id,
+            )
+            for rank, seq, slot in zip(ranks, seqs, slots)
+        ]
+        grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
+        if blocking and not any(lazies):
+            channel = self.driver.channel()
+            if channel is None:
+                return self.client.sync(self._send_direct, self.client.rpc, calls, payloads, grace, False)
+            return channel.run(self._send_direct(channel.pool, calls, payloads, grace, True))
+        futures = self._submit(calls, payloads, lazies)
+        if blocking:
+            return self.gather(futures, method_name, grace)
+        return futures
+
+    async def _send_direct(
+        self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool
+    ) -> list:
+        """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
+
+        ``pool`` is a Dask ``ConnectionPool``: the client's (on the client's event loop)
+        or the calling thread's own (:class:`_Channel`), which saves the two thread
+        hops of ``client.sync`` on every call.
+        """
+
+        async def one(call: Call, payload: Any) -> Any:
+            address = self.slots[call.rank].address
+            try:
+                response = await pool(address).daskwg_call(
+                    call=dataclasses.astuple(call), payload=serialization.pack(payload)
+                )
+            except (CommClosedError, OSError) as exc:
+                sid = self.slots[call.rank].server_id
+                reason = self.driver.lost.setdefault(sid, f"connection lost: {exc}")
+                self.worker_lost(address, reason)
+                raise self.broken or WorkerLostError(call.rank, address, str(exc)) from None
+            except _TRANSFER_ERRORS as exc:
+                # The arguments could not be unpickled on the worker, or the result here:
+                # name the call instead of a bare Dask protocol error. If the call never
+                # reached the host, its place in the order must be given up, or every
+                # later call to this worker would wait behind it (skip is a no-op if it ran).
+                try:
+                    await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
+                except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
+                    pass
+                raise _transfer_error(call.rank, address, call.method, exc) from None
+            if response.get("status") != "OK":
+                raise response["exception"]
+            try:
+                return serialization.unpack(response["result"])
+            except _TRANSFER_ERRORS as exc:
+                raise _transfer_error(call.rank, address, call.method, exc) from None
+
+        tasks = [asyncio.ensure_future(one(c, p)) for c, p in zip(calls, payloads)]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            first = failed[0]
+            pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
+            pending = [(c.rank, t) for c, t in pending_calls]
+            for _, t in pending_calls:
+                t.add_done_callback(_consume_exception)
+            if private:
+                # The private loop only runs while its thread is in a call, so its
+                # tasks cannot tell when these ranks finish: ask their workers instead.
+                # The tasks stay on that loop and finish whenever it runs again (their
+                # error handling must still run: e.g. giving up an undelivered call's place).
+                pending = [
+                    (c.rank, CallWatch(self.driver, self.slots[c.rank].address, c.seq))
+                    for c, _ in pending_calls
+                ]
+            exc = first.exception()
+            if pending and isinstance(exc, RankError):
+                self.unsettled = (time.monotonic() + grace, calls[0].method, exc.rank, pending)
+            elif pending and isinstance(exc, WorkerLostError):
+                self.mark_stuck(calls[0].method, pending)
+            raise exc
+        return [t.result() for t in tasks]
+
+    def _submit(self, calls: list[Call], payloads: list, lazies: list[list[list]]) -> list[Future]:
+        call_no = next(self.driver.call_numbers)
+        futures = []
+        try:
+            for call, payload, call_lazies in zip(calls, payloads, lazies):
+                address = self.slots[call.rank].address
+                key = f"{self.name}.{call.method}-{call_no}-r{call.rank}-{self.group_id[:8]}"
+                future = self.client.submit(
+                    run_call,
+                    call,
+                    payload,
+                    call_lazies or None,
+                    key=key,
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                    retries=0,
+                )
+                future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
+                self.driver.inflight[self.slots[call.rank].server_id].add(future)
+                futures.append(future)
+        except BaseException:
+            # Calls that were never submitted must not hold up later ones on their workers.
+            for call in calls[len(futures) :]:
+                self.client.loop.add_callback(self._send_skip, self.slots[call.rank].address, [call.seq])
+            raise
+        return futures
+
+    def _skip_if_not_run(self, address: str, seq: int, future: Future) -> None:
+        status = future.status
+        if status == "finished":
+            return
+        if status == "error":
+            try:
+                exc = future.exception(timeout=5)
+            except Exception:  # noqa: BLE001
+                exc = None
+            if isinstance(exc, RankError):
+                return  # it ran (and raised) on its rank: its place in the order is used
+        self.client.loop.add_callback(self._send_skip, address, [seq])
+
+    async def _send_skip(self, address: str, seqs: list[int]) -> None:
+        try:
+            await self.client.rpc(address).daskwg_skip(session=self.driver.session, seqs=seqs)
+        except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits on it then
+            pass
+
+    def gather(self, futures: list[Future], method_name: str, grace: float | None = None) -> list:
+        """Wait for per-rank futures; the first failure raises at once. Never waits on a
+        lost worker: its rank raises ``WorkerLostError`` within the poll interval."""
+        ranks = [_rank_of(f) for f in futures]
+        poll = float(dask.config.get("daskwg.poll-interval"))
+        warned: set[str] = set()
+        while True:
+            failed = [f for f in futures if f.status in ("error", "cancelled")]
+            pending = [f for f in futures if not f.done()]
+            if failed:
+                exc = self._future_error(failed[0], method_name)
+                if pending and isinstance(exc, RankError):
+                    wait_s = float(dask.config.get("daskwg.rank-failure-grace")) if grace is None else grace
+                    pending_ranks = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
+                    self.unsettled = (time.monotonic() + wait_s, method_name, exc.rank, pending_ranks)
+                raise exc
+            if not pending:
+                try:
+                    return self.client.gather(futures)
+                except _TRANSFER_ERRORS as exc:
+                    raise _transfer_error(-1, "?", method_name, exc) from None
+            try:
+                self.raise_if_lost([r for r, f in zip(ranks, futures) if not f.done()])
+            except WorkerLostError:
+                self.mark_stuck(method_name, [(r, f) for r, f in zip(ranks, futures) if not f.done()])
+                raise
+            self._warn_if_paused([r for r, f in zip(ranks, futures) if not f.done()], method_name, warned)
+            try:
+                dask_wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
+            except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
+                pass  # a cancelled future is reported by the next round
+
+    def _warn_if_paused(self, ranks: Sequence[int | None], method_name: str, warned: set[str]) -> None:
+        after = float(dask.config.get("daskwg.paused-warning"))
+        for rank in ranks:
+            if rank is None:
+                continue
+            address = self.slots[rank].address
+            since = self.driver.paused.get(address)
+            if since is None or address in warned or time.monotonic() - since < after:
+                continue
+            warned.add(address)
+            logger.warning(
+                "%s.%s: rank %d waits on worker %s, which is paused (its memory use is above "
+                "distributed.worker.memory.pause) and starts no tasks until it frees memory; "
+                "free memory there, raise the worker's memory_limit or the pause threshold",
+                self.name,
+                method_name,
+                rank,
+                address,
+            )
+
+    def _future_error(self, future: Future, method_name: str) -> BaseException:
+        rank = _rank_of(future)
+        address = self.slots[rank].address if rank is not None else "?"
+        if future.status == "cancelled":
+            if rank is not None and self.slots[rank].server_id in self.driver.lost:
+                slot = self.slots[rank]
+                self.broken = self.broken or WorkerLostError(
+                    rank, slot.address, self.driver.lost[slot.server_id]
+                )
+                return self.broken
+            return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
+        exc = future.exception()
+        if isinstance(exc, WorkerGroupError):
+            return exc
+        tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
+        return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
+
+    def gather_any(self, futures: list) -> list:
+        return self.gather(list(futures), "DataProtoFuture.get")
+
+
+#: What Dask raises when a result cannot be serialised on the worker or deserialised here.
+_TRANSFER_ERRORS = (TypeError, pickle.PicklingError, pickle.UnpicklingError, AttributeError, ImportError)
+
+
+def _transfer_error(rank: int, address: str, method: str, exc: BaseException) -> RankError:
+    return RankError(
+        rank,
+        address,
+        method,
+        "",
+        TypeError(
+            f"the arguments or the result of {method!r} could not cross between the driver and the worker: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the workers must be able to "
+            "import every class and function sent to them (install its module there), and results must be "
+            "tensors, numpy arrays, DataProto or plain data"
+        ),
+    )
+
+
+def _consume_exception(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _rank_of(future: Future) -> int | None:
+    match = _KEY_RANK.search(str(future.key))
+    return int(match.group(1)) if match else None
+
+
+def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:
+    """Replace ``DataProtoFuture`` arguments by :class:`LazyArg` placeholders.
+
+    Their Dask futures are appended to ``lazies`` (a list the Dask task takes as an
+    argument, so Dask resolves them on the worker).
+    """
+    args, kwargs = payload
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, DataProtoFuture):
+            lazies.append(list(value.futures))
+            return LazyArg(len(lazies) - 1, value.transform)
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
