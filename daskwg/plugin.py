@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -223,12 +224,18 @@ class HostPlugin(WorkerPlugin):
         self._current_env: dict | None = None
         self._applied_env_keys: set[str] = set()
         self._original_env: dict[str, str | None] = {}
+        # What the host thread is doing, for daskwg_status (the driver's wg.status(),
+        # deadline reports, the dashboard): calls waiting for their turn, the running one.
+        self._queued: dict[tuple[str, int], tuple[Call, float]] = {}
+        self._running: tuple[Call, float, int] | None = None
+        self._last_error: dict[tuple[str, int], str] = {}
         worker.handlers["daskwg_call"] = self._handle_call
         worker.handlers["daskwg_skip"] = self._handle_skip
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
         worker.handlers["daskwg_progress"] = self._handle_progress
+        worker.handlers["daskwg_status"] = self._handle_status
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -252,9 +259,13 @@ class HostPlugin(WorkerPlugin):
                 )
             )
             return failed
-        return self._sequencer.submit(
+        self._queued[(call.session, call.seq)] = (call, time.time())
+        result = self._sequencer.submit(
             call.session, call.seq, lambda: self._execute(call, payload, lazy_values)
         )
+        if result.done():  # refused at once: it never takes a place in the order
+            self._queued.pop((call.session, call.seq), None)
+        return result
 
     async def _handle_call(self, call: tuple, payload: dict) -> dict:
         """The direct path: run one call (``Call`` fields as a plain tuple, arguments
@@ -309,6 +320,8 @@ class HostPlugin(WorkerPlugin):
                 if key[1] == 0 and port is not None:
                     self._reserved_ports.discard(int(port))
         self._sequencer.forget(client)
+        for key in [k for k, (c, _) in self._queued.items() if c.session == client]:
+            self._queued.pop(key, None)
         if keys:
             logger.info("released %d rank(s) of driver %s", len(keys), client)
             gc.collect()
@@ -322,23 +335,84 @@ class HostPlugin(WorkerPlugin):
                 "groups": sorted({(h.group_name, gid, rank) for (gid, rank), h in self._hosted.items()}),
             }
 
+    def _handle_status(self) -> list[dict]:
+        """One record per rank hosted here, and one per call queued for a rank.
+
+        Each record: ``group`` (name), ``group_id``, ``rank``, ``state`` (``"idle"``,
+        ``"running"`` or ``"queued"``), ``method`` (the running or queued call, else
+        ``None``), ``seconds`` (since it started, or since it was queued), ``stack``
+        (the host thread's Python stack while running, else ``None``), ``last_error``
+        (the last failure of that rank here, else ``None``), ``session`` and ``seq``.
+        """
+        records = []
+        running = self._running
+        with self._hosted_lock:
+            hosted = dict(self._hosted)
+        now = time.time()
+        for (group_id, rank), h in hosted.items():
+            record = {
+                "group": h.group_name,
+                "group_id": group_id,
+                "rank": rank,
+                "state": "idle",
+                "method": None,
+                "seconds": None,
+                "stack": None,
+                "last_error": self._last_error.get((group_id, rank)),
+                "session": None,
+                "seq": None,
+            }
+            if running is not None and (running[0].group_id, running[0].rank) == (group_id, rank):
+                call, since, ident = running
+                frame = sys._current_frames().get(ident)
+                record.update(
+                    state="running",
+                    method=call.method,
+                    seconds=now - since,
+                    stack="".join(traceback.format_stack(frame)) if frame is not None else None,
+                    session=call.session,
+                    seq=call.seq,
+                )
+            records.append(record)
+        for call, since in list(self._queued.values()):
+            records.append(
+                {
+                    "group": call.group_name,
+                    "group_id": call.group_id,
+                    "rank": call.rank,
+                    "state": "queued",
+                    "method": call.method,
+                    "seconds": now - since,
+                    "stack": None,
+                    "last_error": None,
+                    "session": call.session,
+                    "seq": call.seq,
+                }
+            )
+        return records
+
     # ---- the host thread ---------------------------------------------------------------
 
     def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
         t0 = time.perf_counter()
+        self._queued.pop((call.session, call.seq), None)
+        self._running = (call, time.time(), threading.get_ident())
         try:
             if call.method == "__init__":
                 return self._create(call, payload)
             if call.method == "__del__":
                 return self._destroy(call)
             return self._invoke(call, payload, lazy_values)
-        except RankError:
+        except RankError as exc:
+            self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
             raise
         except BaseException as exc:  # noqa: BLE001
+            self._last_error[(call.group_id, call.rank)] = f"{call.method}: {type(exc).__name__}: {exc}"
             raise RankError(
                 call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
             ) from None
         finally:
+            self._running = None
             logger.debug(
                 "%s.%s rank %d (call %d) took %.3f s",
                 call.group_name,
@@ -400,6 +474,7 @@ class HostPlugin(WorkerPlugin):
                     f"group {call.group_name!r} belongs to another driver; attach to it by name"
                 )
             self._hosted.pop((call.group_id, call.rank))
+        self._last_error.pop((call.group_id, call.rank), None)
         port = hosted.env.get("MASTER_PORT")
         if port is not None and call.rank == 0:
             self._reserved_ports.discard(int(port))
