@@ -20,7 +20,7 @@ from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
 from daskwg import ClassWithInitArgs, RankError, WorkerGroup
-from daskwg.group import _Driver
+from daskwg.transport import Driver as _Driver
 from daskwg.plugin import Call
 from daskwg.serialization import pack
 
