@@ -9,6 +9,9 @@ __all__ = [
     "WorkerLostError",
     "GroupBrokenError",
     "WorldSizeError",
+    "ConflictError",
+    "ConcatError",
+    "MetaInfoConflictError",
 ]
 
 
@@ -88,4 +91,82 @@ class GroupBrokenError(WorkerGroupError):
     inside a collective) or already shut down.
 
     The message says why; build a new group (and call ``shutdown()`` on this one).
+    """
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ConflictError(WorkerGroupError, ValueError, AssertionError):
+    """Two sources hold different values under a key that must agree.
+
+    Raised by ``DataProto.union`` and :func:`daskwg.protocol.union_tensor_dict` /
+    :func:`~daskwg.protocol.union_numpy_dict` when a shared key holds different values.
+    It is also an ``AssertionError`` because verl ``assert``s in these places, so ported
+    code that catches verl's type keeps working; new code should catch ``ConflictError``
+    (or ``ValueError``).
+    """
+
+
+class ConcatError(WorkerGroupError, ValueError):
+    """Parts that cannot be concatenated into one batch.
+
+    Raised by ``DataProto.concat`` and, naming the method and the ranks, by the collect step
+    of a group call (blocking or ``DataProtoFuture.get()``), e.g. when ranks return a field
+    padded to different lengths.
+
+    Attributes:
+        problem: what disagrees, e.g. ``"batch key 'responses' has different shapes"``.
+        values: ``{part index: what that part holds}`` (a shape, a value), in part order.
+        labels: how each part is named, parallel to ``values``: ``"part 0"`` outside a group
+            call, ``"rank 3"`` in the collect step.
+        method: the group method whose outputs were being collected, or ``None``.
+        hint: what to do about it (may be empty).
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        values: dict | None = None,
+        labels: dict | None = None,
+        method: str | None = None,
+        hint: str = "",
+    ):
+        self.problem = problem
+        self.values = dict(values or {})
+        self.labels = dict(labels or {})
+        self.method = method
+        self.hint = hint
+        super().__init__(problem, self.values, self.labels, method, hint)
+
+    def in_call(self, method: str, ranks: list[int]) -> ConcatError:
+        """The same error for the collect step of ``method``, part ``i`` named ``rank ranks[i]``."""
+        labels = {i: f"rank {ranks[i]}" if i < len(ranks) else f"part {i}" for i in self.values}
+        return type(self)(self.problem, self.values, labels, method, self.hint)
+
+    def __str__(self) -> str:
+        shown = []
+        for i, value in list(self.values.items())[:16]:
+            shown.append(f"{self.labels.get(i, f'part {i}')}: {_short(value)}")
+        if len(self.values) > 16:
+            shown.append(f"... ({len(self.values) - 16} more)")
+        where = f"collecting the outputs of {self.method!r}: " if self.method else ""
+        text = f"{where}{self.problem}"
+        if shown:
+            text += " (" + ", ".join(shown) + ")"
+        return text + (f"; {self.hint}" if self.hint else "")
+
+    def __reduce__(self):
+        return (type(self), (self.problem, self.values, self.labels, self.method, self.hint))
+
+
+class MetaInfoConflictError(ConcatError, ConflictError):
+    """Parts give different values for a non-metric ``meta_info`` key.
+
+    verl raises ``AssertionError: Conflicting values for meta_info key ...`` here; this is
+    an ``AssertionError`` and a ``ValueError`` too. In a group call the message names the
+    method whose outputs were being collected and each rank's value; per-rank values belong
+    in ``meta_info["metrics"]`` (merged into lists) or in ``non_tensor_batch``.
     """

@@ -30,11 +30,24 @@ import tensordict
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from .errors import ConcatError, ConflictError, MetaInfoConflictError
+
 __all__ = [
     "DataProto",
     "DataProtoItem",
     "DataProtoConfig",
+    "all_gather_data_proto",
+    "collate_fn",
+    "deserialize_single_tensor",
+    "deserialize_tensordict",
+    "fold_batch_dim",
+    "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
+    "serialize_single_tensor",
+    "serialize_tensordict",
+    "unfold_batch_dim",
+    "union_numpy_dict",
+    "union_tensor_dict",
     "unpad_dataproto",
 ]
 
@@ -130,8 +143,12 @@ def _as_non_tensor(key: str, value: Any) -> np.ndarray:
     return _object_array(value)
 
 
-def _values_equal(a: Any, b: Any) -> bool:
-    """Deep equality that treats NaN as equal to NaN and compares arrays/tensors by value."""
+def _values_equal(a: Any, b: Any, _seen: set[tuple[int, int]] | None = None) -> bool:
+    """Deep equality that treats NaN as equal to NaN and compares arrays/tensors by value.
+
+    Containers met again on the same path (an object array holding itself) count as equal,
+    so self-referencing values do not recurse forever.
+    """
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -142,26 +159,36 @@ def _values_equal(a: Any, b: Any) -> bool:
         if a.is_floating_point() or a.is_complex():
             return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
         return bool(torch.equal(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.dtype != object:
-            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-        return all(_values_equal(x, y) for x, y in zip(a.flat, b.flat))
-    if type(a) is not type(b):
+    if type(a) is not type(b) and not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
         return False
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, (np.ndarray, dict, list, tuple)):
+        pair = (id(a), id(b))
+        seen = set() if _seen is None else _seen
+        if pair in seen:
+            return True
+        seen.add(pair)
+        try:
+            return _containers_equal(a, b, seen)
+        finally:
+            seen.discard(pair)
     try:
         return bool(a == b)
     except Exception:  # e.g. objects whose __eq__ returns something without a truth value
         return False
+
+
+def _containers_equal(a: Any, b: Any, seen: set[tuple[int, int]]) -> bool:
+    if isinstance(a, np.ndarray):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype != object:
+            return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+        return all(_values_equal(x, y, seen) for x, y in zip(a.flat, b.flat))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k], seen) for k in a)
+    return len(a) == len(b) and all(_values_equal(x, y, seen) for x, y in zip(a, b))
 
 
 def _row_index(idxs: Any, n: int) -> np.ndarray:
@@ -213,6 +240,61 @@ def _merge_metrics(merged: dict[str, list[Any]], metrics: Any, part: int) -> Non
                 bucket.extend(value)
             else:
                 bucket.append(value)
+
+
+def _check_trailing_shapes(what: str, shapes: Sequence[Sequence[int]]) -> None:
+    """Raise :class:`ConcatError` unless every shape is the same after dim 0."""
+    trailing = [tuple(shape[1:]) for shape in shapes]
+    if len(set(trailing)) > 1:
+        raise ConcatError(
+            f"{what} has different shapes after dim 0",
+            {i: list(shape) for i, shape in enumerate(shapes)},
+            hint="every part must have the same shape except the number of rows; pad each part to a "
+            "common length (e.g. the longest response of the whole batch) before concatenating",
+        )
+
+
+def _concat_tensordicts(parts: Sequence[TensorDictBase]) -> TensorDictBase:
+    """``torch.cat(parts, dim=0)`` after checking that every leaf has matching trailing dims.
+
+    Raises:
+        ConcatError: a leaf's shape differs after dim 0 between parts (field and shapes named).
+    """
+    for key in parts[0].keys(include_nested=True, leaves_only=True):
+        shapes = []
+        for part in parts:
+            value = part.get(key)
+            shape = getattr(value, "shape", None)
+            if shape is None or getattr(value, "is_nested", False):
+                break
+            shapes.append(tuple(shape))
+        else:
+            name = ".".join(key) if isinstance(key, tuple) else key
+            _check_trailing_shapes(f"batch key {name!r}", shapes)
+    return torch.cat(list(parts), dim=0)
+
+
+def _check_union_tensors(td1: TensorDictBase, td2: TensorDictBase, what: str) -> None:
+    if td1.batch_size != td2.batch_size:
+        raise ConflictError(
+            f"cannot union TensorDicts of batch sizes {list(td1.batch_size)} and {list(td2.batch_size)}"
+        )
+    for key in td2.keys():
+        if key in td1.keys() and not _values_equal(td1[key], td2[key]):
+            raise ConflictError(f"cannot union: {what} {key!r} differs between the two sides")
+
+
+def _check_union_arrays(d1: dict[str, Any], d2: dict[str, Any], what: str) -> None:
+    for key, value in d2.items():
+        if key not in d1:
+            continue
+        for side, array in (("first", d1[key]), ("second", value)):
+            if not isinstance(array, np.ndarray):
+                raise TypeError(
+                    f"{what} {key!r} of the {side} side is a {type(array).__name__}, not a numpy array"
+                )
+        if not _values_equal(d1[key], value):
+            raise ConflictError(f"cannot union: {what} {key!r} differs between the two sides")
 
 
 # ------------------------------------------------------------- zero-copy pickling
@@ -657,24 +739,19 @@ class DataProto:
 
         Raises:
             TypeError: ``other`` is not a DataProto.
-            ValueError: the row counts differ, or a shared key holds different values.
+            ConflictError: the row counts differ, or a shared key holds different values (a
+                ``ValueError`` and, as verl asserts here, an ``AssertionError``).
         """
         if not isinstance(other, DataProto):
             raise TypeError(f"union takes a DataProto, got {type(other).__name__}")
         if self._has_fields() and other._has_fields() and len(self) != len(other):
-            raise ValueError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
+            raise ConflictError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
         if self.batch is not None and other.batch is not None:
-            for key in other.batch.keys():
-                if key in self.batch.keys() and not _values_equal(self.batch[key], other.batch[key]):
-                    raise ValueError(f"cannot union: batch key {key!r} differs between the two DataProtos")
-        for key, value in other.non_tensor_batch.items():
-            if key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value):
-                raise ValueError(
-                    f"cannot union: non_tensor_batch key {key!r} differs between the two DataProtos"
-                )
+            _check_union_tensors(self.batch, other.batch, "batch key")
+        _check_union_arrays(self.non_tensor_batch, other.non_tensor_batch, "non_tensor_batch key")
         for key, value in other.meta_info.items():
             if key in self.meta_info and not _values_equal(self.meta_info[key], value):
-                raise ValueError(
+                raise ConflictError(
                     f"cannot union: meta_info key {key!r} differs ({self.meta_info[key]!r} vs {value!r})"
                 )
         if other.batch is not None:
@@ -757,8 +834,10 @@ class DataProto:
         some parts is fine) and are kept once. ``meta_info["metrics"]`` is gathered from every
         part into ``{name: [values in part order]}``: a scalar adds one element, a list
         extends; a part may also give a list of such dicts (verl's format). Older verl releases
-        kept only the first part's metrics; verl ``assert``s on conflicting meta keys, daskwg
-        raises ``ValueError``.
+        kept only the first part's metrics.
+
+        Every field must have the same shape after dim 0 in every part; verl lets ``torch.cat``
+        fail with a message naming neither field nor part, daskwg names both.
 
         Args:
             data: non-empty list of DataProtos with the same batch and non-tensor keys.
@@ -767,8 +846,12 @@ class DataProto:
             DataProto with ``sum(len(d))`` rows, of the type of ``data[0]``.
 
         Raises:
-            ValueError: ``data`` is empty, parts differ in keys or in having tensors, or two
-                parts give different values for a non-metric meta key (the key is named).
+            ValueError: ``data`` is empty, parts differ in keys or in having tensors.
+            ConcatError: a tensor or numeric non-tensor field has different shapes after dim 0
+                in different parts (the field and each part's shape are named).
+            MetaInfoConflictError: two parts give different values for a non-metric meta key
+                (the key and each part's value are named; it is also an ``AssertionError``,
+                what verl raises).
             TypeError: an element is not a DataProto.
         """
         parts = list(data)
@@ -793,7 +876,7 @@ class DataProto:
                         f"DataProto.concat: part {i} has batch keys {sorted(map(str, keys))}, "
                         f"part 0 has {sorted(map(str, keys0))}"
                     )
-            batch = torch.cat([p.batch for p in parts], dim=0)
+            batch = _concat_tensordicts([p.batch for p in parts])
         keys0 = list(parts[0].non_tensor_batch)
         for i, part in enumerate(parts[1:], start=1):
             if set(part.non_tensor_batch) != set(keys0):
@@ -801,11 +884,16 @@ class DataProto:
                     f"DataProto.concat: part {i} has non-tensor keys {sorted(part.non_tensor_batch)}, "
                     f"part 0 has {sorted(keys0)}"
                 )
+        for key in keys0:
+            _check_trailing_shapes(
+                f"non_tensor_batch key {key!r}", [p.non_tensor_batch[key].shape for p in parts]
+            )
         non_tensor = {key: np.concatenate([p.non_tensor_batch[key] for p in parts], axis=0) for key in keys0}
 
         meta: dict[str, Any] = {}
         metrics: dict[str, list[Any]] = {}
         saw_metrics = False
+        conflicts: list[str] = []
         for i, part in enumerate(parts):
             for key, value in part.meta_info.items():
                 if key == "metrics":
@@ -813,11 +901,16 @@ class DataProto:
                     _merge_metrics(metrics, value, i)
                 elif key not in meta:
                     meta[key] = value
-                elif not _values_equal(meta[key], value):
-                    raise ValueError(
-                        f"DataProto.concat: conflicting values for meta_info key {key!r}: "
-                        f"{meta[key]!r} in an earlier part, {value!r} in part {i}"
-                    )
+                elif key not in conflicts and not _values_equal(meta[key], value):
+                    conflicts.append(key)
+        if conflicts:
+            key = conflicts[0]
+            raise MetaInfoConflictError(
+                f"Conflicting values for meta_info key {key!r}",
+                {i: p.meta_info[key] for i, p in enumerate(parts) if key in p.meta_info},
+                hint="non-metric meta_info keys must be equal in every part; put per-part values in "
+                "meta_info['metrics'] (merged into lists) or in non_tensor_batch (one value per row)",
+            )
         if saw_metrics:
             meta["metrics"] = metrics
         return type(parts[0])(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
@@ -881,9 +974,11 @@ class DataProto:
 
         Mirrors verl's ``DataProto.unfold_column_chunks``: keys in ``split_keys`` go from
         ``[N, C, ...]`` to ``[N * n_split, C // n_split, ...]``; the other keys repeat each
-        row ``n_split`` times. A 1-D object array of sequences (how daskwg stores
-        equal-length lists, where verl has a 2-D array) has each element cut into
-        ``n_split`` slices.
+        row ``n_split`` times. A non-tensor split key holding lists of one length ``C`` (a
+        1-D object array in daskwg, 2-D in verl) gives verl's result, a 2-D object array
+        ``[N * n_split, C // n_split]`` of the elements: ``[["a1", "a2"], ["b1", "b2"]]``
+        split in 2 is ``[["a1"], ["a2"], ["b1"], ["b2"]]``. Lists of different lengths
+        (verl cannot split them) are each cut into ``n_split`` slices, kept 1-D.
 
         Returns:
             DataProto with ``N * n_split`` rows.
@@ -904,6 +999,13 @@ class DataProto:
             return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])
 
         def cut_elements(key: str, value: np.ndarray) -> np.ndarray:
+            lengths = {len(e) if isinstance(e, (list, tuple, np.ndarray)) else -1 for e in value}
+            if len(lengths) == 1 and (width := lengths.pop()) >= 0:
+                table = np.empty((len(value), width), dtype=object)
+                for i, element in enumerate(value):
+                    for j, item in enumerate(element):
+                        table[i, j] = item
+                return cut_columns(key, table)
             pieces = []
             for element in value:
                 if len(element) % n_split:
@@ -986,39 +1088,40 @@ class DataProto:
         )
 
     def padding(self, padding_size: int, padding_candidate: str = "") -> DataProto:
-        """Return a copy with ``padding_size`` extra rows appended.
+        """Append ``padding_size`` copies of one row to this DataProto, in place, and return ``self``.
 
-        Mirrors verl's ``DataProto.padding`` with two fixes: verl pads ``self`` in place and
-        by default repeats the last row; daskwg returns a new DataProto and by default cycles
-        through the rows from the start (``r0, r1, r2, r0, ...``, as
-        :func:`pad_dataproto_to_divisor`), so ``padding_size`` may exceed ``N``.
+        Mirrors verl's ``DataProto.padding``: the caller's DataProto grows (``[1, 2, 3]``
+        padded by 2 becomes ``[1, 2, 3, 3, 3]``); the repeated row is the last one, or the
+        first with ``padding_candidate="first"`` (``[1, 2, 3, 1, 1]``). verl returns ``None``;
+        daskwg also returns ``self``. ``meta_info`` is kept. To pad without touching the
+        caller's batch use :func:`pad_dataproto_to_divisor`, which pads a copy.
 
         Args:
             padding_size: rows to append, ``>= 0``.
-            padding_candidate: ``""`` cycle through the rows; ``"first"`` / ``"last"`` repeat
-                that row (verl's choices).
+            padding_candidate: ``""`` or ``"last"`` repeat the last row, ``"first"`` the first
+                (verl takes any other string as ``"last"``; daskwg refuses it).
 
         Returns:
-            DataProto with ``N + padding_size`` rows.
+            ``self``, now ``N + padding_size`` rows long.
 
         Raises:
             ValueError: negative ``padding_size``, an unknown ``padding_candidate``, or
-                padding an empty DataProto.
+                padding an empty DataProto (there is no row to repeat).
         """
         if padding_size < 0:
             raise ValueError(f"padding_size must be >= 0, got {padding_size}")
         if padding_candidate not in ("", "first", "last"):
             raise ValueError(f"padding_candidate must be '', 'first' or 'last', got {padding_candidate!r}")
         n = len(self)
-        if padding_size and n == 0:
+        if padding_size == 0:
+            return self
+        if n == 0:
             raise ValueError("cannot pad a DataProto with no rows: there is no row to repeat")
-        if padding_candidate == "first":
-            pad = np.zeros(padding_size, dtype=np.int64)
-        elif padding_candidate == "last":
-            pad = np.full(padding_size, n - 1, dtype=np.int64)
-        else:
-            pad = np.arange(padding_size, dtype=np.int64) % max(n, 1)
-        return self.select_idxs(np.concatenate([np.arange(n, dtype=np.int64), pad]))
+        row = 0 if padding_candidate == "first" else n - 1
+        index = np.concatenate([np.arange(n, dtype=np.int64), np.full(padding_size, row, dtype=np.int64)])
+        padded = self.select_idxs(index)
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+        return self
 
     # ---------------------------------------------------------------- iteration
 
@@ -1116,6 +1219,112 @@ class DataProto:
         )
         print(f"{prefix}, {message}" if prefix else message)
 
+    def get_data_info(self) -> str:
+        """A multi-line text listing every field with its shape, dtype and device, and the type
+        of every ``meta_info`` value (verl's ``get_data_info``)."""
+        lines = ["batch"]
+        if self.batch is not None:
+            for key, t in self.batch.items(include_nested=True, leaves_only=True):
+                name = ".".join(key) if isinstance(key, tuple) else key
+                if isinstance(t, torch.Tensor):
+                    lines.append(f"  {name}: {tuple(t.shape)} ({t.dtype}) {t.device}")
+                else:
+                    lines.append(f"  {name}: {type(t).__name__}")
+        lines.append("non_tensor_batch")
+        lines += [f"  {k}: ndarray{v.shape} ({v.dtype})" for k, v in self.non_tensor_batch.items()]
+        lines.append("meta_info")
+        lines += [f"  {k}: {_type_info(v)}" for k, v in self.meta_info.items()]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ TensorDict form
+
+    def to_tensordict(self) -> TensorDict:
+        """This DataProto as one ``TensorDict`` of batch size ``[N]`` (verl's ``to_tensordict``).
+
+        Tensors stay tensors; each non-tensor field becomes a ``NonTensorStack`` of its ``N``
+        values (lists, dicts, nested lists of dicts: any value); each ``meta_info`` entry
+        becomes a ``NonTensorData``. :meth:`from_tensordict` turns it back.
+
+        Returns:
+            ``TensorDict`` with ``batch_size == [N]``; ``td["labels"]`` reads a non-tensor
+            field back as a list, ``td["name"]`` a meta value.
+
+        Raises:
+            ValueError: a key is used by more than one of the three parts.
+        """
+        from tensordict import NonTensorData, NonTensorStack
+
+        source: dict[str, Any] = self.batch.to_dict() if self.batch is not None else {}
+        for part, keys in (("non_tensor_batch", self.non_tensor_batch), ("meta_info", self.meta_info)):
+            shared = sorted(set(source) & set(keys))
+            if shared:
+                raise ValueError(
+                    f"to_tensordict: keys {shared} are in {part} and in an earlier part; a TensorDict "
+                    "holds each key once, rename one of them first"
+                )
+            if part == "non_tensor_batch":
+                for key, values in keys.items():
+                    source[key] = NonTensorStack.from_list([NonTensorData(v) for v in values])
+            else:
+                for key, value in keys.items():
+                    source[key] = NonTensorData(value)
+        device = self.batch.device if self.batch is not None else None
+        return TensorDict(source, batch_size=[len(self)], device=device)
+
+    @classmethod
+    def from_tensordict(
+        cls,
+        tensor_dict: TensorDictBase,
+        meta_info: dict[str, Any] | None = None,
+        num_batch_dims: int = 1,
+    ) -> DataProto:
+        """Build a DataProto from a ``TensorDict`` (verl's ``from_tensordict``).
+
+        Tensors (and nested TensorDicts) go to ``batch``; ``NonTensorStack`` entries (one value
+        per row) to ``non_tensor_batch`` as 1-D object arrays; ``NonTensorData`` entries (one
+        value for the whole batch) to ``meta_info``. The inverse of :meth:`to_tensordict`.
+
+        Args:
+            tensor_dict: a TensorDict whose first batch dim is ``N``.
+            meta_info: extra batch-wide metadata (copied shallowly).
+            num_batch_dims: must be 1, as in :meth:`from_dict`.
+
+        Returns:
+            DataProto with ``N`` rows (``batch`` is None when there are no tensors).
+
+        Raises:
+            TypeError: ``tensor_dict`` is not a TensorDict.
+            ValueError: ``num_batch_dims != 1`` or the TensorDict has no batch dimension.
+        """
+        from tensordict import NonTensorData, NonTensorStack
+
+        if not isinstance(tensor_dict, TensorDictBase):
+            raise TypeError(f"from_tensordict takes a TensorDict, got {type(tensor_dict).__name__}")
+        if num_batch_dims != 1:
+            raise ValueError(
+                f"DataProto has exactly one batch dimension, got num_batch_dims={num_batch_dims}"
+            )
+        if tensor_dict.batch_dims < 1:
+            raise ValueError(
+                "from_tensordict needs a TensorDict with a batch dimension (batch_size=[N]), got "
+                f"batch_size={list(tensor_dict.batch_size)}"
+            )
+        meta = dict(meta_info or {})
+        tensors: dict[str, Any] = {}
+        non_tensors: dict[str, np.ndarray] = {}
+        for key in tensor_dict.keys():
+            value = tensor_dict.get(key)
+            if isinstance(value, NonTensorStack):
+                non_tensors[key] = _object_array(value.tolist())
+            elif isinstance(value, NonTensorData):
+                meta[key] = value.data
+            else:
+                tensors[key] = value
+        batch = None
+        if tensors:
+            batch = TensorDict(tensors, batch_size=tensor_dict.batch_size[:1], device=tensor_dict.device)
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
+
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1195,7 +1404,8 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     pad_size = -n % size_divisor
     if pad_size == 0:
         return data, 0
-    return data.padding(pad_size), pad_size
+    index = np.arange(n + pad_size, dtype=np.int64) % n
+    return data.select_idxs(index), pad_size
 
 
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
@@ -1211,3 +1421,264 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     if pad_size == 0:
         return data
     return data.slice(0, len(data) - pad_size)
+
+
+def _type_info(value: Any) -> str:
+    """A short type description of a meta_info value (``list[int|str]``, ``dict[str: float]``)."""
+    if isinstance(value, list):
+        kinds = sorted({_type_info(v) for v in value[:3]})
+        return f"list[{'|'.join(kinds) if kinds else '...'}]"
+    if isinstance(value, tuple):
+        return f"tuple({', '.join(_type_info(v) for v in value)})"
+    if isinstance(value, dict):
+        if not value:
+            return "dict"
+        key, item = next(iter(value.items()))
+        return f"dict[{_type_info(key)}: {_type_info(item)}]"
+    if isinstance(value, np.ndarray):
+        return f"ndarray{value.shape} ({value.dtype})"
+    return type(value).__name__
+
+
+# ------------------------------------------------- verl's module-level helpers
+
+
+def union_tensor_dict(tensor_dict1: TensorDictBase, tensor_dict2: TensorDictBase) -> TensorDictBase:
+    """Add ``tensor_dict2``'s keys to ``tensor_dict1`` in place and return ``tensor_dict1``.
+
+    Mirrors ``verl.protocol.union_tensor_dict``. A key present in both must hold equal
+    tensors (NaN equals NaN here; verl uses ``Tensor.equal``). Nothing is changed when a
+    check fails.
+
+    Raises:
+        ConflictError: the batch sizes differ or a shared key holds different tensors (an
+            ``AssertionError`` too, what verl raises).
+    """
+    _check_union_tensors(tensor_dict1, tensor_dict2, "key")
+    for key in tensor_dict2.keys():
+        if key not in tensor_dict1.keys():
+            tensor_dict1[key] = tensor_dict2[key]
+    return tensor_dict1
+
+
+def union_numpy_dict(
+    tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Merge ``tensor_dict2`` into ``tensor_dict1`` in place and return ``tensor_dict1``.
+
+    Mirrors ``verl.protocol.union_numpy_dict``: a key present in both must hold arrays of
+    the same dtype, shape and values, compared deeply inside object arrays, NaN equal to NaN,
+    self-referencing arrays allowed. Nothing is changed when a check fails.
+
+    Raises:
+        TypeError: a shared key does not hold a numpy array on both sides.
+        ConflictError: a shared key holds different arrays (an ``AssertionError`` too).
+    """
+    _check_union_arrays(tensor_dict1, tensor_dict2, "key")
+    tensor_dict1.update(tensor_dict2)
+    return tensor_dict1
+
+
+def list_of_dict_to_dict_of_list(list_of_dict: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``[{"a": 1, "b": 2}, {"a": 3, "b": 4}]`` -> ``{"a": [1, 3], "b": [2, 4]}`` (verl's helper).
+
+    The keys are those of the first dict; ``[]`` gives ``{}``.
+
+    Raises:
+        KeyError: a later dict has a key the first one lacks (verl asserts).
+    """
+    if not list_of_dict:
+        return {}
+    output: dict[str, list[Any]] = {key: [] for key in list_of_dict[0]}
+    for i, entry in enumerate(list_of_dict):
+        for key, value in entry.items():
+            if key not in output:
+                raise KeyError(f"dict {i} has key {key!r}, which dict 0 lacks (keys {sorted(output)})")
+            output[key].append(value)
+    return output
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Group rows: ``[N, ...]`` -> ``[new_batch_size, N // new_batch_size, ...]``.
+
+    ``verl.protocol.fold_batch_dim``; see :meth:`DataProto.fold_batch_dim`. verl also
+    replaces the arrays in ``data.non_tensor_batch`` with the folded ones; daskwg leaves
+    ``data`` as it was.
+
+    Raises:
+        ValueError: ``N`` is not divisible by ``new_batch_size``.
+    """
+    return data.fold_batch_dim(new_batch_size)
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Flatten the first ``batch_dims`` dims into the rows; the inverse of :func:`fold_batch_dim`.
+
+    ``verl.protocol.unfold_batch_dim``; see :meth:`DataProto.unfold_batch_dim`.
+    """
+    return data.unfold_batch_dim(batch_dims)
+
+
+def collate_fn(x: Sequence[DataProtoItem]) -> DataProto:
+    """Stack rows (``data[i]`` items) into a DataProto (``verl.protocol.collate_fn``).
+
+    Tensors are stacked along a new dim 0; non-tensor values become 1-D object arrays (one
+    element per row, even when the values are equal-length lists); ``meta_info`` is empty,
+    as in verl.
+
+    Raises:
+        ValueError: ``x`` is empty.
+        KeyError: the items do not all have the same non-tensor keys.
+    """
+    items = list(x)
+    if not items:
+        raise ValueError("collate_fn needs at least one DataProtoItem")
+    batch = None
+    if items[0].batch is not None:
+        batch = torch.stack([item.batch for item in items]).contiguous()
+    columns = list_of_dict_to_dict_of_list([item.non_tensor_batch for item in items])
+    return DataProto(batch=batch, non_tensor_batch={k: _object_array(v) for k, v in columns.items()})
+
+
+def serialize_single_tensor(obj: torch.Tensor) -> tuple[str, torch.Size, np.ndarray]:
+    """``(dtype name, shape, flat uint8 numpy array)`` of a tensor (verl's helper).
+
+    The array shares the tensor's memory when the tensor is contiguous and on CPU.
+    """
+    t = obj.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    data = t.flatten().contiguous().view(torch.uint8).numpy()
+    return str(t.dtype).removeprefix("torch."), obj.shape, data
+
+
+def deserialize_single_tensor(arr: tuple[str, Sequence[int], Any]) -> torch.Tensor:
+    """The inverse of :func:`serialize_single_tensor` (a writable copy of the bytes).
+
+    Raises:
+        ValueError: the dtype name is not a torch dtype.
+    """
+    dtype_name, shape, data = arr
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{dtype_name!r} is not a torch dtype")
+    raw = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if len(data)
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return raw.view(dtype).view(tuple(shape))
+
+
+def serialize_tensordict(batch: TensorDictBase) -> tuple[tuple[int, ...], str | None, dict[str, Any]]:
+    """``(batch_size, device, {key: encoded tensor})`` of a flat TensorDict (verl's helper).
+
+    Any number of batch dims. A nested (jagged) tensor is encoded as ``(layout name,
+    [encoded component, ...])``, every other tensor with :func:`serialize_single_tensor`.
+    """
+    items: dict[str, Any] = {}
+    for key, value in batch.items():
+        if value.is_nested:
+            layout = str(value.layout).removeprefix("torch.")
+            items[key] = (layout, [serialize_single_tensor(t) for t in value.unbind()])
+        else:
+            items[key] = serialize_single_tensor(value)
+    device = None if batch.device is None else str(batch.device)
+    return tuple(batch.batch_size), device, items
+
+
+def deserialize_tensordict(arr: tuple[Sequence[int], str | None, dict[str, Any]]) -> TensorDict:
+    """The inverse of :func:`serialize_tensordict`.
+
+    Raises:
+        ValueError: an entry is neither a 3-tuple (tensor) nor a 2-tuple (nested tensor).
+    """
+    batch_size, device, items = arr
+    source: dict[str, torch.Tensor] = {}
+    for key, value in items.items():
+        if len(value) == 3:
+            source[key] = deserialize_single_tensor(value)
+        elif len(value) == 2:
+            layout, parts = value
+            source[key] = torch.nested.as_nested_tensor(
+                [deserialize_single_tensor(p) for p in parts], layout=getattr(torch, layout)
+            )
+        else:
+            raise ValueError(
+                f"entry {key!r} has {len(value)} fields; expected 3 (tensor) or 2 (nested tensor)"
+            )
+    return TensorDict(source, batch_size=tuple(batch_size), device=device)
+
+
+def all_gather_data_proto(data: DataProto, process_group: Any = None) -> DataProto:
+    """All-gather ``data`` in place across a ``torch.distributed`` group (verl's helper).
+
+    Every rank of ``process_group`` calls it with its own DataProto; afterwards each holds
+    the rows of all ranks in rank order (2 ranks holding ``[r, r]`` both end with
+    ``[0, 0, 1, 1]``). Tensors travel with ``torch.distributed.all_gather`` (moved to the
+    current CUDA device for NCCL groups, kept on CPU otherwise, and back afterwards);
+    non-tensor fields with ``all_gather_object``. Ranks may hold different numbers of rows
+    (verl needs equal ones); ``meta_info`` is left alone.
+
+    Args:
+        data: DataProto of ``N_r`` rows on rank ``r``.
+        process_group: the group, ``None`` for the default one.
+
+    Returns:
+        ``data`` itself, now ``sum(N_r)`` rows long.
+
+    Raises:
+        ConcatError: ranks disagree on the keys or on a field's shape after dim 0 (raised on
+            every rank, before any tensor is sent).
+    """
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group=process_group)
+    fields = {}
+    if data.batch is not None:
+        fields = {key: (tuple(t.shape), t.dtype) for key, t in data.batch.items()}
+    layouts: list[Any] = [None] * n
+    dist.all_gather_object(layouts, (len(data), fields, data.non_tensor_batch), group=process_group)
+    keys = [sorted(f) for _, f, _ in layouts]
+    if any(k != keys[0] for k in keys):
+        raise ConcatError("all_gather_data_proto: ranks hold different batch keys", dict(enumerate(keys)))
+    for key in keys[0]:
+        _check_trailing_shapes(f"batch key {key!r}", [f[key][0] for _, f, _ in layouts])
+        dtypes = [f[key][1] for _, f, _ in layouts]
+        if len(set(dtypes)) > 1:
+            raise ConcatError(
+                f"all_gather_data_proto: batch key {key!r} has different dtypes", dict(enumerate(dtypes))
+            )
+    non_tensor_keys = [sorted(nt) for _, _, nt in layouts]
+    if any(k != non_tensor_keys[0] for k in non_tensor_keys):
+        raise ConcatError(
+            "all_gather_data_proto: ranks hold different non_tensor_batch keys",
+            dict(enumerate(non_tensor_keys)),
+        )
+    gathered_batch = None
+    if data.batch is not None:
+        backend = dist.get_backend(process_group)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in str(backend)
+            else torch.device("cpu")
+        )
+        rows = [length for length, _, _ in layouts]
+        most = max(rows)
+        out = {}
+        for key, t in data.batch.items():
+            local = t.to(device)
+            if local.shape[0] < most:
+                filler = local.new_zeros((most - local.shape[0], *local.shape[1:]))
+                local = torch.cat([local, filler], dim=0)
+            buffers = [torch.empty_like(local) for _ in range(n)]
+            dist.all_gather(buffers, local.contiguous(), group=process_group)
+            out[key] = torch.cat([b[:r] for b, r in zip(buffers, rows)], dim=0).to(t.device)
+        gathered_batch = TensorDict(out, batch_size=[sum(rows)], device=data.batch.device)
+    for key in non_tensor_keys[0]:
+        _check_trailing_shapes(f"non_tensor_batch key {key!r}", [nt[key].shape for _, _, nt in layouts])
+    data.non_tensor_batch = {
+        key: np.concatenate([nt[key] for _, _, nt in layouts], axis=0) for key in non_tensor_keys[0]
+    }
+    data.batch = gathered_batch
+    return data

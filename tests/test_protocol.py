@@ -1,7 +1,8 @@
 """Specification of daskwg.protocol: DataProto and its padding helpers.
 
 Expected values of verl's tests/test_protocol_on_cpu.py are kept where they apply, adjusted
-to daskwg's deliberate fixes (exact chunk counts, non-mutating padding, typed errors).
+to daskwg's deliberate fixes (exact chunk counts, typed errors). The verbatim port of that
+file is tests/test_verl_protocol.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from daskwg.errors import ConcatError, MetaInfoConflictError
 from daskwg.protocol import (
     DataProto,
     DataProtoConfig,
@@ -117,7 +119,7 @@ def test_equal_length_lists_stay_one_dimensional_through_every_operation():
         assert pairs.ndim == 1, name
         assert pairs.shape == (len(result),), name
         assert pairs.dtype == object, name
-    assert results["padding"].non_tensor_batch["pairs"].tolist() == [[1, 2], [3, 4], [5, 6]] * 2 + [[1, 2]]
+    assert results["padding"].non_tensor_batch["pairs"].tolist() == [[1, 2], [3, 4]] + [[5, 6]] * 5
 
 
 def test_from_single_dict_routes_tensors_and_arrays():
@@ -605,7 +607,27 @@ def test_concat_with_conflicting_meta_key_raises_naming_the_key():
         DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"config": "A"}),
         DataProto.from_dict(tensors={"obs": torch.tensor([3, 4])}, meta_info={"config": "B"}),
     ]
-    with pytest.raises(ValueError, match="conflicting values for meta_info key 'config'"):
+    with pytest.raises(MetaInfoConflictError, match="Conflicting values for meta_info key 'config'") as info:
+        DataProto.concat(parts)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
+    assert "part 0: 'A', part 1: 'B'" in str(info.value)
+
+
+def test_concat_of_tensors_of_different_widths_names_the_key_and_each_part():
+    parts = [
+        DataProto.from_dict(tensors={"responses": torch.zeros(2, 3)}),
+        DataProto.from_dict(tensors={"responses": torch.zeros(2, 5)}),
+    ]
+    with pytest.raises(ConcatError, match=r"'responses'.*part 0: \[2, 3\], part 1: \[2, 5\]"):
+        DataProto.concat(parts)
+
+
+def test_concat_of_numeric_non_tensors_of_different_widths_names_the_key_and_each_part():
+    parts = [
+        DataProto.from_dict(non_tensors={"scores": np.zeros((2, 3))}),
+        DataProto.from_dict(non_tensors={"scores": np.zeros((1, 4))}),
+    ]
+    with pytest.raises(ConcatError, match=r"'scores'.*part 0: \[2, 3\], part 1: \[1, 4\]"):
         DataProto.concat(parts)
 
 
@@ -673,8 +695,16 @@ def test_unfold_column_chunks_moves_column_pieces_into_rows():
     assert result.batch["obs1"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
     assert result.batch["obs2"].tolist() == [[1, 2], [1, 2], [5, 6], [5, 6], [9, 10], [9, 10]]
     assert result.non_tensor_batch["labels"].tolist() == [["a1"], ["a2"], ["b1"], ["b2"], ["c1"], ["c2"]]
-    assert result.non_tensor_batch["labels"].shape == (6,)
+    assert result.non_tensor_batch["labels"].shape == (6, 1)
+    assert (result.non_tensor_batch["labels"] == [["a1"], ["a2"], ["b1"], ["b2"], ["c1"], ["c2"]]).all()
     assert result.meta_info == {"name": "abc"}
+
+
+def test_unfold_column_chunks_cuts_lists_of_different_lengths_element_by_element():
+    data = DataProto.from_dict(non_tensors={"turns": [[1, 2, 3, 4], [5, 6]]})
+    result = data.unfold_column_chunks(2, split_keys=["turns"])
+    assert result.non_tensor_batch["turns"].shape == (4,)
+    assert result.non_tensor_batch["turns"].tolist() == [[1, 2], [3, 4], [5], [6]]
 
 
 def test_unfold_column_chunks_splits_a_two_dimensional_array_like_verl():
@@ -759,25 +789,51 @@ def test_unpad_more_rows_than_there_are_raises():
         unpad_dataproto(rows(3), 4)
 
 
-def test_padding_by_more_than_the_batch_cycles_through_the_rows():
-    assert tags(rows(2).padding(2)) == ["r0", "r1", "r0", "r1"]
-    assert tags(rows(2).padding(5)) == ["r0", "r1", "r0", "r1", "r0", "r1", "r0"]
+def test_padding_pads_the_caller_in_place_with_the_last_row():
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3])})
+    data.padding(2)
+    assert data.batch["a"].tolist() == [1, 2, 3, 3, 3]
 
 
-def test_padding_returns_a_new_dataproto_and_leaves_the_original():
+def test_padding_candidate_first_pads_the_caller_with_the_first_row():
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3])})
+    data.padding(2, padding_candidate="first")
+    assert data.batch["a"].tolist() == [1, 2, 3, 1, 1]
+
+
+def test_padding_returns_the_padded_dataproto_itself_with_its_meta_info():
     data = rows(2)
-    padded = data.padding(3)
-    assert padded is not data
-    assert len(data) == 2
-    assert len(padded) == 5
+    data.meta_info["step"] = 7
+    assert data.padding(3) is data
+    assert tags(data) == ["r0", "r1", "r1", "r1", "r1"]
+    assert data.meta_info["step"] == 7
+
+
+def test_padding_by_more_than_the_batch_repeats_the_last_row():
+    assert tags(rows(2).padding(5)) == ["r0", "r1", "r1", "r1", "r1", "r1", "r1"]
+
+
+def test_padding_by_zero_leaves_the_dataproto_as_it_was():
+    data = rows(2)
+    assert data.padding(0) is data
+    assert tags(data) == ["r0", "r1"]
 
 
 @pytest.mark.parametrize(
     "candidate,expected",
-    [("first", ["r0", "r1", "r2", "r0", "r0"]), ("last", ["r0", "r1", "r2", "r2", "r2"])],
+    [
+        ("", ["r0", "r1", "r2", "r2", "r2"]),
+        ("first", ["r0", "r1", "r2", "r0", "r0"]),
+        ("last", ["r0", "r1", "r2", "r2", "r2"]),
+    ],
 )
 def test_padding_candidate_repeats_the_first_or_last_row(candidate, expected):
     assert tags(rows(3).padding(2, padding_candidate=candidate)) == expected
+
+
+def test_padding_rejects_an_unknown_candidate():
+    with pytest.raises(ValueError, match="padding_candidate must be"):
+        rows(3).padding(1, padding_candidate="middle")
 
 
 def test_padding_an_empty_dataproto_raises():
