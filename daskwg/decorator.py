@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from .errors import DispatchError
+from .errors import ConcatError, DispatchError
 
 __all__ = [
     "PADDING_SIZE_KEY",
@@ -210,9 +210,13 @@ del _name
 # --------------------------------------------------------------------------- helpers
 
 
-def _labelled(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(label, value)`` for every argument, labels as error messages show them."""
-    for i, value in enumerate(args):
+def _labelled(args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) -> Iterator[tuple[str, Any]]:
+    """``(label, value)`` for every argument, labels as error messages show them.
+
+    ``start`` is the position of ``args[0]`` in the user's call (1 when the dispatch
+    function already took the first argument off).
+    """
+    for i, value in enumerate(args, start=start):
         yield f"positional argument {i}", value
     for key, value in kwargs.items():
         yield f"argument {key!r}", value
@@ -255,14 +259,24 @@ def _batch_types() -> tuple[type, ...]:
     return (DataProto, TensorDict) if future is None else (DataProto, TensorDict, future)
 
 
-def _check_batches(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+def _check_batches(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) -> None:
+    from tensordict import TensorDictBase
+
     types = _batch_types()
-    for label, value in _labelled(args, kwargs):
+    for label, value in _labelled(args, kwargs, start):
         if not isinstance(value, types):
             raise DispatchError(
                 f"{mode} splits DataProto, DataProtoFuture or TensorDict arguments over the ranks; "
-                f"{label} has type {type(value).__name__}. Wrap it in a DataProto (e.g. in meta_info) or "
-                f"register the method with another dispatch mode"
+                f"{label} has type {type(value).__name__}. Wrap it in a DataProto: "
+                f'DataProto.from_dict({{"x": t}}) for a tensor t with one row per sample, or '
+                f'DataProto.from_dict(meta_info={{"x": value}}) for one value for the whole batch; '
+                f"or register the method with another dispatch mode (ONE_TO_ALL sends it to every rank)"
+            )
+        if isinstance(value, TensorDictBase) and value.batch_dims == 0:
+            raise DispatchError(
+                f"{mode} splits batches along their first batch dimension; {label} is a TensorDict "
+                f"with batch_size=[] (no batch dimension). Build it with batch_size=[N] (N rows), "
+                f"or call td.auto_batch_size_(batch_dims=1)"
             )
 
 
@@ -333,7 +347,17 @@ class RankOutputs(list):
 
     The group gives up its references to them, so the built-in collect functions may
     drop each part as soon as it has been merged (see :func:`_concat_releasing`).
+
+    Attributes:
+        method: the name of the method whose outputs these are (``None`` if unknown), so
+            that a collect error can say which call it was collecting.
+        ranks: the rank of each output (``outputs[i]`` came from rank ``ranks[i]``).
     """
+
+    def __init__(self, outputs: Any = (), method: str | None = None, ranks: list[int] | None = None):
+        super().__init__(outputs)
+        self.method = method
+        self.ranks = list(range(len(self))) if ranks is None else list(ranks)
 
 
 def _concat_releasing(parts: list[Any]) -> Any:
@@ -389,37 +413,49 @@ def _concat_releasing(parts: list[Any]) -> Any:
     return type(merged)(batch=batch, non_tensor_batch=merged.non_tensor_batch, meta_info=merged.meta_info)
 
 
-def _concat_outputs(mode: str, outputs: list[Any]) -> Any:
-    """Concatenate per-rank DataProto / TensorDict outputs, or wrap Dask futures of them."""
-    import torch
+def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = None) -> Any:
+    """Concatenate per-rank DataProto / TensorDict outputs, or wrap Dask futures of them.
+
+    ``keep`` selects the outputs to concatenate (all by default). A failed concatenation
+    raises :class:`ConcatError` naming the method and the ranks when ``outputs`` is the
+    group's :class:`RankOutputs`.
+    """
     from distributed import Future
-    from tensordict import TensorDict
+    from tensordict import TensorDictBase
 
-    from .protocol import DataProto
+    from .protocol import DataProto, _concat_tensordicts
 
+    method = getattr(outputs, "method", None)
+    ranks = getattr(outputs, "ranks", None) or list(range(len(outputs)))
+    if keep is not None:
+        ranks = [r for r, k in zip(ranks, keep) if k]
+        outputs = RankOutputs([o for o, k in zip(outputs, keep) if k], method=method, ranks=ranks)
     if not outputs:
         raise ValueError(f"{mode} has no outputs to collect")
     for kind, concat in (
         (DataProto, DataProto.concat),
-        (TensorDict, functools.partial(torch.cat, dim=0)),
-        (Future, _concat_futures),
+        (TensorDictBase, _concat_tensordicts),
+        (Future, functools.partial(_concat_futures, method=method, ranks=ranks)),
     ):
         if isinstance(outputs[0], kind):
             if not all(isinstance(out, kind) for out in outputs):
                 break
-            if kind is DataProto and isinstance(outputs, RankOutputs):
-                return _concat_releasing(outputs)
-            return concat(list(outputs))
+            try:
+                if kind is DataProto and isinstance(outputs, RankOutputs):
+                    return _concat_releasing(outputs)
+                return concat(list(outputs))
+            except ConcatError as exc:
+                raise exc.in_call(method or mode, ranks) from None
     kinds = ", ".join(f"rank output {i}: {type(out).__name__}" for i, out in enumerate(outputs))
     raise TypeError(
         f"{mode} concatenates outputs that are all DataProto, all TensorDict or all Dask futures; got {kinds}"
     )
 
 
-def _concat_futures(futures: list[Any]) -> Any:
+def _concat_futures(futures: list[Any], method: str | None = None, ranks: list[int] | None = None) -> Any:
     from .futures import DataProtoFuture
 
-    return DataProtoFuture.concat(futures)
+    return DataProtoFuture(futures=list(futures), method=method, ranks=ranks)
 
 
 # --------------------------------------------------------------------------- dispatch/collect
@@ -559,7 +595,7 @@ def dispatch_dp_compute_data_proto_with_func(
         got = type(args[0]).__name__ if args else "nothing"
         raise DispatchError(f"{mode} expects a callable as first positional argument, got {got}")
     func, rest = args[0], args[1:]
-    _check_batches(mode, rest, kwargs)
+    _check_batches(mode, rest, kwargs, start=1)
     n = worker_group.world_size
     split_args = tuple(
         _split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1)
@@ -576,6 +612,12 @@ def collect_dp_compute_data_proto(worker_group: Any, outputs: list[Any]) -> Any:
 
     Raises:
         TypeError: the outputs are not all of one of those kinds.
+        ConcatError: ranks returned a field with different shapes after dim 0 (the method,
+            the field and each rank's shape are named; verl lets ``torch.cat`` raise a bare
+            ``RuntimeError``).
+        MetaInfoConflictError: ranks returned different values for a non-metric ``meta_info``
+            key (the method, the key and each rank's value are named; also an
+            ``AssertionError``, what verl raises).
     """
     return _concat_outputs("DP_COMPUTE_PROTO", outputs)
 
@@ -650,7 +692,7 @@ def collect_nd_compute_dataproto(mesh_name: str, worker_group: Any, outputs: lis
     mask = _lookup_collect_info(mesh_name, worker_group)
     if len(outputs) != len(mask):
         raise ValueError(f"mesh {mesh_name!r}: expected {len(mask)} outputs, got {len(outputs)}")
-    return _concat_outputs(f"mesh collect {mesh_name!r}", [out for out, keep in zip(outputs, mask) if keep])
+    return _concat_outputs(f"mesh collect {mesh_name!r}", outputs, keep=mask)
 
 
 def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable[..., Any]]:

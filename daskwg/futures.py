@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from .errors import ConcatError
+
 __all__ = ["DataProtoFuture", "concat_parts", "materialize"]
 
 
@@ -25,15 +27,14 @@ def concat_parts(parts: list) -> Any:
     """
     if len(parts) == 1:
         return parts[0]
-    from .protocol import DataProto
+    from .protocol import DataProto, _concat_tensordicts
 
     if all(isinstance(p, DataProto) for p in parts):
         return DataProto.concat(list(parts))
-    import torch
     from tensordict import TensorDictBase
 
     if all(isinstance(p, TensorDictBase) for p in parts):
-        return torch.cat(list(parts), dim=0)
+        return _concat_tensordicts(list(parts))
     kinds = sorted({type(p).__name__ for p in parts})
     raise TypeError(f"a DataProtoFuture must resolve to DataProto or TensorDict parts, got {kinds}")
 
@@ -47,15 +48,30 @@ def _take_chunk(data: Any, *, index: int, chunks: int) -> Any:
 
 
 def materialize(
-    collect_fn: Callable[[list], Any], pad_size: int, dispatch_fn: Callable | None, values: list
+    collect_fn: Callable[[list], Any],
+    pad_size: int,
+    dispatch_fn: Callable | None,
+    values: list,
+    *,
+    method: str | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> Any:
     """Turn the resolved parts of a ``DataProtoFuture`` into its value.
 
     Runs ``collect_fn(values)``, drops the last ``pad_size`` rows, then applies
     ``dispatch_fn`` (the slice one receiving rank takes). Runs in the driver
     (``get()``) or on the receiving rank.
+
+    Raises:
+        ConcatError: the parts cannot be concatenated; it names ``method`` and the rank of
+            each part (``ranks``) when they are known.
     """
-    out = collect_fn(values)
+    try:
+        out = collect_fn(values)
+    except ConcatError as exc:
+        if method is None:
+            raise
+        raise exc.in_call(method, list(ranks) if ranks is not None else list(range(len(values)))) from None
     if pad_size:
         from .protocol import DataProto, unpad_dataproto
 
@@ -79,6 +95,8 @@ class DataProtoFuture:
         dispatch_fn: optional ``value -> piece`` applied after collection (the piece
             of a :meth:`chunk`).
         pad_size: rows of padding the producing call added, dropped after collection.
+        method: the producing method's name, named by collect errors (``None``: unknown).
+        ranks: the producing rank of each future (``None``: ``0..len(futures)-1``).
 
     Returned by non-blocking ``DP_COMPUTE_PROTO`` (and mesh) calls. ``get()``
     materialises it in the driver; passing it to another group's call moves the data
@@ -90,6 +108,8 @@ class DataProtoFuture:
     dispatch_fn: Callable[[Any], Any] | None = None
     pad_size: int = 0
     gather: Callable[[list], list] = _default_gather
+    method: str | None = None
+    ranks: Sequence[int] | None = None
 
     @staticmethod
     def concat(futures: Sequence[Any]) -> DataProtoFuture:
@@ -117,7 +137,8 @@ class DataProtoFuture:
             and self.dispatch_fn is None
             and not self.pad_size
         ):
-            return [replace(self, futures=[f]) for f in self.futures]
+            ranks = list(self.ranks) if self.ranks is not None else list(range(chunks))
+            return [replace(self, futures=[f], ranks=[r]) for f, r in zip(self.futures, ranks)]
         return [
             replace(self, dispatch_fn=partial(_take_chunk, index=i, chunks=chunks)) for i in range(chunks)
         ]
@@ -125,13 +146,21 @@ class DataProtoFuture:
     @property
     def transform(self) -> Callable[[list], Any]:
         """``values -> value``: what a receiving rank applies to the resolved parts."""
-        return partial(materialize, self.collect_fn, self.pad_size, self.dispatch_fn)
+        return partial(
+            materialize,
+            self.collect_fn,
+            self.pad_size,
+            self.dispatch_fn,
+            method=self.method,
+            ranks=self.ranks,
+        )
 
     def get(self) -> Any:
         """Materialise the value in the driver.
 
         Raises the producing call's error (``RankError``, ``WorkerLostError``) if it
-        failed.
+        failed, and :class:`~daskwg.errors.ConcatError` naming the method, the field and
+        each rank when the ranks' outputs cannot be concatenated.
         """
         return self.transform(self.gather(list(self.futures)))
 

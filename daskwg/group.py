@@ -454,11 +454,9 @@ class WorkerGroup:
         ranks = [0] if rank_zero_only else list(range(self.world_size))
         payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
         outputs = self._send(method_name, ranks, payloads, blocking=registered.blocking)
-        from .protocol import DataProto
-
-        if outputs and all(isinstance(out, DataProto) for out in outputs):
-            # The group lets go of the parts, so concatenation can free each one as it goes.
-            outputs = RankOutputs(outputs)
+        # The group lets go of the parts, so concatenation can free each one as it goes;
+        # the method name and ranks let a collect error say whose outputs it was merging.
+        outputs = RankOutputs(outputs, method=method_name, ranks=ranks)
         if rank_zero_only:
             return outputs[0]
         result = fns["collect_fn"](self, outputs)

@@ -75,9 +75,9 @@ def test_auto_padding(client4):
             {"a": torch.zeros(test_size)}, {"na": np.zeros(test_size, dtype=object)}
         )
         padding_size = (chunk_size - (test_size % chunk_size)) if (test_size % chunk_size > 0) else 0
-        padded = local_data.padding(padding_size)  # a copy: verl pads in place
-        assert len(padded) == test_size + padding_size and len(padded) % chunk_size == 0
-        chunked = padded.chunk(chunk_size)
+        local_data.padding(padding_size)  # in place, as in verl
+        assert len(local_data) == test_size + padding_size and len(local_data) % chunk_size == 0
+        chunked = local_data.chunk(chunk_size)
         assert len(chunked) == chunk_size
         assert all(len(dp) == test_size // chunk_size + bool(test_size % chunk_size) for dp in chunked)
 

@@ -1,0 +1,106 @@
+"""Porting fidelity (issue 13): verl code behaves the same on daskwg, and errors name the
+method, the field and the ranks involved. One test per reported value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from porting_workers import PortedWorker
+from tensordict import TensorDict
+
+from daskwg import (
+    ClassWithInitArgs,
+    DataProto,
+    DataProtoFuture,
+    DispatchError,
+    WorkerGroup,
+)
+from daskwg.errors import ConcatError, MetaInfoConflictError
+
+
+@pytest.fixture(scope="module")
+def ported_wg(cluster4):
+    from distributed import Client
+
+    with Client(cluster4) as client, WorkerGroup(client, ClassWithInitArgs(PortedWorker), world_size=2) as wg:
+        yield wg
+
+
+def four_rows() -> DataProto:
+    return DataProto.from_dict({"a": torch.arange(4)})
+
+
+# ---------------------------------------------------------------- 2: per-rank meta_info
+
+
+def test_per_rank_meta_info_names_the_method_and_the_ranks_that_disagree(ported_wg):
+    with pytest.raises(MetaInfoConflictError) as info:
+        ported_wg.tag_rank(four_rows())
+    message = str(info.value)
+    assert "collecting the outputs of 'tag_rank'" in message
+    assert "Conflicting values for meta_info key 'gen_rank'" in message
+    assert "rank 0: 0, rank 1: 1" in message
+    assert info.value.method == "tag_rank"
+
+
+def test_per_rank_meta_info_conflict_is_caught_by_verl_style_except_assertion_error(ported_wg):
+    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'gen_rank'"):
+        ported_wg.tag_rank(four_rows())
+    with pytest.raises(ValueError):
+        ported_wg.tag_rank(four_rows())
+
+
+def test_per_rank_values_under_metrics_are_merged_not_refused(ported_wg):
+    out = ported_wg.tag_metrics(four_rows())
+    assert out.meta_info["metrics"] == {"gen_rank": [0, 1]}
+
+
+# ---------------------------------------------------------------- 3: shapes at collect
+
+
+def test_ranks_returning_different_widths_name_the_field_and_each_rank(ported_wg):
+    with pytest.raises(ConcatError) as info:
+        ported_wg.generate(four_rows())
+    message = str(info.value)
+    assert "collecting the outputs of 'generate'" in message
+    assert "'responses'" in message
+    assert "rank 0: [2, 3], rank 1: [2, 5]" in message
+
+
+def test_shape_mismatch_is_named_by_data_proto_future_get(ported_wg):
+    future = ported_wg.generate_async(four_rows())
+    assert isinstance(future, DataProtoFuture)
+    with pytest.raises(
+        ConcatError, match=r"'generate_async'.*'responses'.*rank 0: \[2, 3\], rank 1: \[2, 5\]"
+    ):
+        future.get()
+
+
+def test_numeric_non_tensor_fields_of_different_widths_name_the_field_and_each_rank(ported_wg):
+    with pytest.raises(ConcatError, match=r"'score'.*'scores'.*rank 0: \[2, 3\], rank 1: \[2, 5\]"):
+        ported_wg.score(four_rows())
+
+
+def test_tensordict_outputs_of_different_widths_name_the_field_and_each_rank(ported_wg):
+    data = TensorDict({"a": torch.arange(4)}, batch_size=[4])
+    with pytest.raises(ConcatError, match=r"'generate_td'.*'responses'.*rank 0: \[2, 3\], rank 1: \[2, 5\]"):
+        ported_wg.generate_td(data)
+
+
+# ---------------------------------------------------------------- 6: dispatch messages
+
+
+def test_with_func_dispatch_counts_the_function_as_argument_0(ported_wg):
+    with pytest.raises(DispatchError, match="positional argument 1 has type list"):
+        ported_wg.execute_with_func_generator(len, [1, 2])
+
+
+def test_dispatch_error_suggests_building_a_data_proto_from_dict(ported_wg):
+    with pytest.raises(DispatchError, match=r'DataProto\.from_dict\(\{"x": t\}\)'):
+        ported_wg.generate(torch.zeros(4))
+
+
+def test_a_tensordict_without_batch_dimension_is_reported_as_such(ported_wg):
+    with pytest.raises(DispatchError, match=r"batch_size=\[\]") as info:
+        ported_wg.generate_td(TensorDict({"a": torch.zeros(4)}, batch_size=[]))
+    assert "0 rows" not in str(info.value)
