@@ -3,6 +3,7 @@ method, the field and the ranks involved. One test per reported value."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from porting_workers import PortedWorker
@@ -15,7 +16,15 @@ from daskwg import (
     DispatchError,
     WorkerGroup,
 )
-from daskwg.errors import ConcatError, MetaInfoConflictError
+from daskwg.errors import ConcatError, ConflictError, MetaInfoConflictError
+from daskwg.protocol import (
+    collate_fn,
+    fold_batch_dim,
+    list_of_dict_to_dict_of_list,
+    unfold_batch_dim,
+    union_numpy_dict,
+    union_tensor_dict,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +37,21 @@ def ported_wg(cluster4):
 
 def four_rows() -> DataProto:
     return DataProto.from_dict({"a": torch.arange(4)})
+
+
+# ---------------------------------------------------------------- 1: padding in place
+
+
+def test_padding_pads_the_callers_dataproto_as_verl_does():
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3])})
+    data.padding(2)
+    assert data.batch["a"].tolist() == [1, 2, 3, 3, 3]
+
+
+def test_padding_with_the_first_candidate_repeats_the_first_row():
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3])})
+    data.padding(2, padding_candidate="first")
+    assert data.batch["a"].tolist() == [1, 2, 3, 1, 1]
 
 
 # ---------------------------------------------------------------- 2: per-rank meta_info
@@ -104,3 +128,54 @@ def test_a_tensordict_without_batch_dimension_is_reported_as_such(ported_wg):
     with pytest.raises(DispatchError, match=r"batch_size=\[\]") as info:
         ported_wg.generate_td(TensorDict({"a": torch.zeros(4)}, batch_size=[]))
     assert "0 rows" not in str(info.value)
+
+
+# ---------------------------------------------------------------- 7: verl's helpers
+
+
+def test_all_gather_data_proto_gives_every_rank_all_rows_in_rank_order(ported_wg):
+    assert ported_wg.init_process_group() == [True, True]
+    try:
+        results = ported_wg.all_gather_rows()
+    finally:
+        ported_wg.destroy_process_group()
+    assert results == [([0, 0, 1, 1], ["r0", "r0", "r1", "r1"])] * 2
+
+
+def test_union_tensor_dict_adds_keys_in_place_and_returns_the_first():
+    first = TensorDict({"a": torch.tensor([1, 2])}, batch_size=[2])
+    second = TensorDict({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])}, batch_size=[2])
+    assert union_tensor_dict(first, second) is first
+    assert first["b"].tolist() == [3, 4]
+    with pytest.raises(ConflictError, match="'a'"):
+        union_tensor_dict(first, TensorDict({"a": torch.tensor([9, 9])}, batch_size=[2]))
+
+
+def test_union_numpy_dict_adds_keys_in_place_and_returns_the_first():
+    first = {"a": np.array([1, 2])}
+    assert union_numpy_dict(first, {"b": np.array(["x", "y"], dtype=object)}) is first
+    assert sorted(first) == ["a", "b"]
+
+
+def test_list_of_dict_to_dict_of_list():
+    assert list_of_dict_to_dict_of_list([{"a": 1, "b": 2}, {"a": 3, "b": 4}]) == {"a": [1, 3], "b": [2, 4]}
+    assert list_of_dict_to_dict_of_list([]) == {}
+    with pytest.raises(KeyError, match="'c'"):
+        list_of_dict_to_dict_of_list([{"a": 1}, {"c": 2}])
+
+
+def test_collate_fn_stacks_items_back_into_a_dataproto():
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3])}, {"pair": [[1, 2], [3, 4], [5, 6]]})
+    out = collate_fn([data[2], data[0]])
+    assert out.batch["a"].tolist() == [3, 1]
+    assert out.non_tensor_batch["pair"].tolist() == [[5, 6], [1, 2]]
+
+
+def test_fold_and_unfold_batch_dim_leave_their_argument_as_it_was():
+    data = DataProto.from_dict({"a": torch.arange(4)}, {"tag": ["r0", "r1", "r2", "r3"]})
+    folded = fold_batch_dim(data, 2)
+    assert folded.batch["a"].tolist() == [[0, 1], [2, 3]]
+    assert data.non_tensor_batch["tag"].shape == (4,)
+    unfolded = unfold_batch_dim(folded, 2)
+    assert unfolded.non_tensor_batch["tag"].tolist() == ["r0", "r1", "r2", "r3"]
+    assert folded.batch.batch_size == torch.Size([2])
