@@ -394,6 +394,7 @@ class HostPlugin(WorkerPlugin):
     # ---- the host thread ---------------------------------------------------------------
 
     def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+        _bind_worker(self.worker)
         t0 = time.perf_counter()
         self._queued.pop((call.session, call.seq), None)
         self._running = (call, time.time(), threading.get_ident())
@@ -537,6 +538,20 @@ class HostPlugin(WorkerPlugin):
                 self._reserved_ports.add(chosen)
                 return chosen
         raise OSError(f"could not find a free port on {host}")
+
+
+def _bind_worker(worker: Any) -> None:
+    """Let rank code call ``distributed.get_worker()`` (and ``get_client()``) as any Dask task can.
+
+    Dask binds the worker to a task's thread through a context variable while the task
+    runs; the host thread is not one of Dask's task threads, so bind it here. Every
+    call and every coroutine on the rank's event loop then sees the hosting worker.
+    """
+    from distributed import worker as dask_worker
+
+    cvar = getattr(dask_worker, "_worker_cvar", None)
+    if cvar is not None and cvar.get(None) is not worker:
+        cvar.set(worker)
 
 
 def _resolve(value: Any, lazy_values: list) -> Any:

@@ -60,6 +60,10 @@ class PortedWorker(Worker):
         return distributed.get_worker().address
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def hosting_worker_async(self) -> str:
+        return distributed.get_worker().address
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_process_group(self) -> bool:
         dist.init_process_group(backend="gloo")
         return dist.is_initialized()

@@ -179,3 +179,11 @@ def test_fold_and_unfold_batch_dim_leave_their_argument_as_it_was():
     unfolded = unfold_batch_dim(folded, 2)
     assert unfolded.non_tensor_batch["tag"].tolist() == ["r0", "r1", "r2", "r3"]
     assert folded.batch.batch_size == torch.Size([2])
+
+
+# ---------------------------------------------------------------- 5: get_worker
+
+
+def test_get_worker_in_a_rank_method_is_the_hosting_worker(ported_wg):
+    assert ported_wg.hosting_worker() == ported_wg.workers
+    assert ported_wg.hosting_worker_async() == ported_wg.workers
