@@ -9,6 +9,8 @@ tensor from that frame on the other side, for every dtype.
 
 from __future__ import annotations
 
+import contextvars
+import logging
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,23 @@ __all__ = ["serialize_tensor", "deserialize_tensor", "install", "pack", "unpack"
 
 #: Above this many pickled bytes a message part goes through Dask's framing instead.
 _INLINE_MAX = 1 << 20
+
+_packing = contextvars.ContextVar("daskwg_packing", default=False)
+
+
+class _QuietWhilePacking(logging.Filter):
+    """Drops Dask's "Failed to serialize" records while :func:`pack` runs.
+
+    daskwg raises its own error for an object that cannot be pickled, naming the call
+    and the argument; Dask's log of the same failure (with the object's repr and a
+    traceback per rank) would only bury it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _packing.get()
+
+
+logging.getLogger(dask_pickle.__name__).addFilter(_QuietWhilePacking())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -88,10 +107,15 @@ def pack(obj: Any) -> dict:
     Returns:
         ``{"pickled": bytes}`` or ``{"serialized": Serialize}``; :func:`unpack` reverses it.
     Raises:
-        whatever pickling raises for an object that cannot be pickled.
+        whatever pickling raises for an object that cannot be pickled (Dask's error log
+        of that failure is suppressed: the caller reports it).
     """
     buffers: list = []
-    data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
+    token = _packing.set(True)
+    try:
+        data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
+    finally:
+        _packing.reset(token)
     if buffers or len(data) > _INLINE_MAX:
         return {"serialized": to_serialize(obj)}
     return {"pickled": data}

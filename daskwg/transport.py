@@ -46,7 +46,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from . import serialization  # also installs the tensor serializer in the driver
-from .errors import GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
 from .futures import DataProtoFuture
 from .plugin import PLUGIN_NAME, Call, HostPlugin, LazyArg, run_call
 
@@ -395,6 +395,13 @@ class GroupTransport:
         lazies: list[list[list]] = [[] for _ in ranks]
         if not raw_payload:
             payloads = [_extract_lazies(p, lz) for p, lz in zip(payloads, lazies)]
+        direct = blocking and not any(lazies)
+        # Packed (or, for a task, test-packed) before the call takes its place in the
+        # order: an argument that cannot be pickled fails here, naming it, and no rank
+        # ever waits for a call that cannot arrive.
+        packed = [_pack_arguments(method_name, p, raw_payload) for p in payloads]
+        if not direct:
+            packed = payloads
         slots = [self.slots[r] for r in ranks]
         if check:
             # A lost worker fails at once (no connection attempt, no task that never
@@ -416,11 +423,11 @@ class GroupTransport:
             for rank, seq, slot in zip(ranks, seqs, slots)
         ]
         grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
-        if blocking and not any(lazies):
+        if direct:
             channel = self.driver.channel()
             if channel is None:
-                return self.client.sync(self._send_direct, self.client.rpc, calls, payloads, grace, False)
-            return channel.run(self._send_direct(channel.pool, calls, payloads, grace, True))
+                return self.client.sync(self._send_direct, self.client.rpc, calls, packed, grace, False)
+            return channel.run(self._send_direct(channel.pool, calls, packed, grace, True))
         futures = self._submit(calls, payloads, lazies)
         if blocking:
             return self.gather(futures, method_name, grace)
@@ -431,6 +438,8 @@ class GroupTransport:
     ) -> list:
         """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
 
+        ``payloads`` are already packed (:func:`daskwg.serialization.pack`).
+
         ``pool`` is a Dask ``ConnectionPool``: the client's (on the client's event loop)
         or the calling thread's own (:class:`_Channel`), which saves the two thread
         hops of ``client.sync`` on every call.
@@ -439,9 +448,7 @@ class GroupTransport:
         async def one(call: Call, payload: Any) -> Any:
             address = self.slots[call.rank].address
             try:
-                response = await pool(address).daskwg_call(
-                    call=dataclasses.astuple(call), payload=serialization.pack(payload)
-                )
+                response = await pool(address).daskwg_call(call=dataclasses.astuple(call), payload=payload)
             except (CommClosedError, OSError) as exc:
                 sid = self.slots[call.rank].server_id
                 reason = self.driver.lost.setdefault(sid, f"connection lost: {exc}")
@@ -627,6 +634,33 @@ def _transfer_error(rank: int, address: str, method: str, exc: BaseException) ->
             "tensors, numpy arrays, DataProto or plain data"
         ),
     )
+
+
+def _pack_arguments(method: str, payload: Any, raw: bool) -> dict:
+    """``serialization.pack(payload)``, or a :class:`DispatchError` naming the argument that
+    cannot be pickled (raised in the driver, before the call is sent anywhere)."""
+    try:
+        return serialization.pack(payload)
+    except Exception as exc:  # noqa: BLE001 - pickling raises anything
+        cause = exc
+    label, value = "the arguments", payload
+    if not raw:
+        args, kwargs = payload
+        labelled = [(f"positional argument {i}", v) for i, v in enumerate(args)]
+        labelled += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+        for candidate, candidate_value in labelled:
+            try:
+                serialization.pack(candidate_value)
+            except Exception as exc:  # noqa: BLE001
+                label, value, cause = candidate, candidate_value, exc
+                break
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise DispatchError(
+        f"cannot send {method!r} to its ranks: {label} (a {kind}) cannot be pickled "
+        f"({type(cause).__name__}: {cause}); arguments must be data the workers can rebuild (tensors, "
+        "numpy arrays, DataProto, plain Python data, instances of importable classes): create objects "
+        "such as locks, sockets or open files on the worker instead"
+    ) from None
 
 
 def _consume_exception(task: asyncio.Future) -> None:

@@ -3,6 +3,9 @@ method, the field and the ranks involved. One test per reported value."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +17,9 @@ from daskwg import (
     DataProto,
     DataProtoFuture,
     DispatchError,
+    RankError,
     WorkerGroup,
+    WorkerGroupError,
 )
 from daskwg.errors import ConcatError, ConflictError, MetaInfoConflictError
 from daskwg.protocol import (
@@ -187,3 +192,40 @@ def test_fold_and_unfold_batch_dim_leave_their_argument_as_it_was():
 def test_get_worker_in_a_rank_method_is_the_hosting_worker(ported_wg):
     assert ported_wg.hosting_worker() == ported_wg.workers
     assert ported_wg.hosting_worker_async() == ported_wg.workers
+
+
+# ---------------------------------------------------------------- 4: what cannot be pickled
+
+
+def dask_errors(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and r.name.startswith("distributed")
+    ]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_an_argument_that_cannot_be_pickled_is_refused_in_the_driver_naming_it(ported_wg, caplog, blocking):
+    caplog.set_level(logging.ERROR)
+    with pytest.raises(WorkerGroupError) as info:
+        if blocking:
+            ported_wg.ping(threading.Lock())
+        else:
+            ported_wg.execute_all_async("ping", lock=threading.Lock())
+    assert not isinstance(info.value, RankError)
+    message = str(info.value)
+    assert "'ping'" in message
+    assert ("positional argument 0" if blocking else "argument 'lock'") in message
+    assert "lock" in message.lower()
+    assert dask_errors(caplog) == []
+    assert ported_wg.ping() == ["pong", "pong"]
+
+
+def test_a_result_that_cannot_be_pickled_is_a_rank_error_naming_method_and_rank(ported_wg):
+    with pytest.raises(RankError) as info:
+        ported_wg.make_lock()
+    assert info.value.method == "make_lock"
+    assert info.value.rank in (0, 1)
+    assert "make_lock" in str(info.value) and f"rank {info.value.rank}" in str(info.value)
+    assert ported_wg.ping() == ["pong", "pong"]
