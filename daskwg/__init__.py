@@ -18,8 +18,11 @@ from .decorator import (
     update_dispatch_mode,
 )
 from .errors import (
+    ConcatError,
+    ConflictError,
     DispatchError,
     GroupBrokenError,
+    MetaInfoConflictError,
     RankError,
     WorkerGroupError,
     WorkerLostError,
@@ -35,6 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClassWithInitArgs",
+    "ConcatError",
+    "ConflictError",
     "DataProto",
     "DataProtoConfig",
     "DataProtoFuture",
@@ -45,6 +50,7 @@ __all__ = [
     "DistRankInfo",
     "Execute",
     "GroupBrokenError",
+    "MetaInfoConflictError",
     "RankError",
     "ResourcePool",
     "Worker",

@@ -541,7 +541,7 @@ class HostPlugin(WorkerPlugin):
 
 
 def _bind_worker(worker: Any) -> None:
-    """Let rank code call ``distributed.get_worker()`` (and ``get_client()``) as any Dask task can.
+    """Let rank code call ``distributed.get_worker()`` as any Dask task can.
 
     Dask binds the worker to a task's thread through a context variable while the task
     runs; the host thread is not one of Dask's task threads, so bind it here. Every
