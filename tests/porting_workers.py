@@ -23,6 +23,15 @@ class PortedWorker(Worker):
         data.meta_info["gen_rank"] = self.rank
         return data
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def tag_rank_async(self, data: DataProto) -> DataProto:
+        data.meta_info["gen_rank"] = self.rank
+        return data
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def count_rows(self, data: DataProto) -> int:
+        return len(data)
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def tag_metrics(self, data: DataProto) -> DataProto:
         data.meta_info["metrics"] = {"gen_rank": self.rank}

@@ -79,6 +79,17 @@ def test_per_rank_meta_info_conflict_is_caught_by_verl_style_except_assertion_er
         ported_wg.tag_rank(four_rows())
 
 
+def test_a_conflict_found_by_the_next_method_still_names_the_method_that_produced_it(ported_wg):
+    future = ported_wg.tag_rank_async(four_rows())
+    with pytest.raises(RankError) as info:
+        ported_wg.count_rows(future)
+    assert info.value.method == "count_rows"
+    assert isinstance(info.value.exception, AssertionError)
+    message = str(info.value)
+    assert "collecting the outputs of 'tag_rank_async'" in message
+    assert "rank 0: 0, rank 1: 1" in message
+
+
 def test_per_rank_values_under_metrics_are_merged_not_refused(ported_wg):
     out = ported_wg.tag_metrics(four_rows())
     assert out.meta_info["metrics"] == {"gen_rank": [0, 1]}
