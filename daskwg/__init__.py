@@ -23,6 +23,7 @@ from .errors import (
     RankError,
     WorkerGroupError,
     WorkerLostError,
+    WorkerPausedError,
     WorldSizeError,
 )
 from .futures import DataProtoFuture
@@ -51,6 +52,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "WorkerLostError",
+    "WorkerPausedError",
     "WorldSizeError",
     "create_colocated_worker_cls",
     "local_cluster",

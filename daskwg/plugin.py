@@ -354,6 +354,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
+        worker.handlers["daskwg_memory"] = self._handle_memory
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
 
@@ -452,6 +453,17 @@ class HostPlugin(WorkerPlugin):
             logger.info("released %d rank(s) of driver %s", len(keys), client)
             gc.collect()
         return len(keys)
+
+    def _handle_memory(self) -> dict:
+        """This worker's memory figures, for messages about a paused worker: ``memory``
+        (process bytes), ``memory_limit`` (bytes or ``None``), ``pause`` (the fraction
+        of ``memory_limit`` above which it pauses, or ``False``)."""
+        manager = self.worker.memory_manager
+        return {
+            "memory": self.worker.monitor.get_process_memory(),
+            "memory_limit": manager.memory_limit,
+            "pause": manager.memory_pause_fraction,
+        }
 
     def _handle_info(self) -> dict:
         with self._hosted_lock:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from daskwg import Dispatch, Worker, register
+from daskwg import DataProto, Dispatch, Worker, register
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -109,6 +109,10 @@ class StateWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def state_mib_async(self) -> int:
         return self.state.numel() // 2**20
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def add_one_async(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"y": data.batch["x"] + 1})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def grow(self, mib: int) -> int:

@@ -10,12 +10,22 @@ import time
 
 import dask.config
 import pytest
+import torch
 from actor_workers import ActorWorker, ProcessGroupWorker, SignalWorker, StateWorker
-from conftest import CLICluster, wait_for_workers
+from conftest import CLICluster, process_cluster, wait_for_workers
 from distributed import Client
 
 import daskwg
-from daskwg import ClassWithInitArgs, RankError, ResourcePool, WorkerGroup, create_colocated_worker_cls
+from daskwg import (
+    ClassWithInitArgs,
+    DataProto,
+    RankError,
+    ResourcePool,
+    WorkerGroup,
+    WorkerLostError,
+    WorkerPausedError,
+    create_colocated_worker_cls,
+)
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +277,66 @@ def test_rank_state_does_not_stop_its_own_calls_on_local_cluster_workers():
         ]
         futures = wg.state_mib_async()
         assert client.gather(futures) == [1450, 1450]
+
+
+def _wait_for_status(client: Client, status: str, n: int, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [w["status"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+        if statuses.count(status) >= n or time.monotonic() > deadline:
+            return statuses
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(180)
+def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_the_figures():
+    memory = {
+        "distributed.worker.memory.pause": 0.5,
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.terminate": False,
+        "daskwg.paused-timeout": 3.0,
+    }
+    with (
+        dask.config.set(memory),
+        process_cluster(2, memory_limit="1GiB") as cluster,
+        Client(cluster) as client,
+        WorkerGroup(client, ClassWithInitArgs(StateWorker, mib=480), world_size=2) as wg,
+    ):
+        assert _wait_for_status(client, "paused", 2) == ["paused", "paused"]
+        assert wg.state_mib() == [480, 480]  # blocking calls reach paused workers
+        future = wg.add_one_async(DataProto.from_dict({"x": torch.zeros(4)}))
+        with pytest.raises(WorkerPausedError) as info:
+            future.get()
+        error = info.value
+        assert error.rank in (0, 1) and error.address == wg.workers[error.rank]
+        assert error.method == "add_one_async"
+        assert error.memory_limit == 2**30 and error.pause_fraction == 0.5
+        assert error.memory > 2**29
+        for part in (
+            "paused for",
+            "memory_limit 1.00 GiB",
+            "distributed.worker.memory.pause = 0.5",
+            "512.00 MiB",
+        ):
+            assert part in str(error)
+        # Plain Dask futures of a non-blocking call end too, with the same message.
+        futures = wg.state_mib_async()
+        with pytest.raises(Exception, match="WorkerPausedError: rank"):
+            client.gather(futures)
+        assert wg.state_mib() == [480, 480]  # the cancelled calls gave up their places
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_its_nanny_restarts_for_memory_gives_worker_lost_saying_so():
+    with (
+        daskwg.local_cluster(n_workers=1, memory_limit="1GiB", dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        WorkerGroup(client, ClassWithInitArgs(StateWorker, mib=1), world_size=1) as wg,
+    ):
+        with pytest.raises(WorkerLostError) as info:
+            wg.grow(1100)
+        message = str(info.value)
+        assert "nanny restarted it for memory" in message
+        assert "distributed.worker.memory.terminate" in message
+        assert "memory_limit 1.00 GiB" in message
