@@ -321,7 +321,8 @@ class HostPlugin(WorkerPlugin):
     Registered by :class:`daskwg.WorkerGroup` with ``client.register_plugin``; the
     plugin is idempotent, so every group and every driver share the one instance per
     worker. It installs the comm handlers ``daskwg_call``, ``daskwg_skip``,
-    ``daskwg_reserve_port`` and ``daskwg_release`` on the worker.
+    ``daskwg_reserve_port``, ``daskwg_release``, ``daskwg_info``, ``daskwg_memory``,
+    ``daskwg_progress`` and ``daskwg_status`` on the worker.
     """
 
     name = PLUGIN_NAME

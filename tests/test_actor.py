@@ -121,7 +121,7 @@ def test_ranks_on_local_cluster_workers_start_child_processes(actors):
     assert actors.child_exit_code() == [0, 0]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_daemonic_cli_workers_say_how_to_allow_child_processes():
     cluster = CLICluster(2)
     try:
@@ -134,6 +134,20 @@ def test_daemonic_cli_workers_say_how_to_allow_child_processes():
                 assert "daemonic processes are not allowed to have children" in message
                 assert "distributed.worker.daemon: False" in message
                 assert "DASK_DISTRIBUTED__WORKER__DAEMON=False" in message
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(240)
+def test_cli_workers_started_as_the_error_says_start_child_processes(monkeypatch):
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
+    cluster = CLICluster(2)
+    try:
+        with Client(cluster.address, timeout=60) as client:
+            wait_for_workers(client, 2)
+            with WorkerGroup(client, ActorWorker, world_size=2) as wg:
+                assert wg.dataloader_sum() == [28, 28]
+                assert wg.child_exit_code() == [0, 0]
     finally:
         cluster.close()
 
