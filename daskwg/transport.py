@@ -208,12 +208,17 @@ class Driver:
         poll = float(dask.config.get("daskwg.poll-interval"))
         while self.paused.get(address) == since:
             now = time.monotonic()
-            expired = [
-                f
-                for sid in self.server_ids.get(address, ())
-                for f in list(self.inflight.get(sid, ()))
-                if not f.done() and f in self.submitted and now - max(since, self.submitted[f][0]) >= timeout
-            ]
+            try:
+                expired = [
+                    f
+                    for sid in list(self.server_ids.get(address, ()))
+                    for f in list(self.inflight.get(sid, ()))
+                    if not f.done()
+                    and f in self.submitted
+                    and now - max(since, self.submitted[f][0]) >= timeout
+                ]
+            except RuntimeError:  # a driver thread submitted meanwhile ("changed size"): next round
+                expired = []
             if expired:
                 figures = await self._memory_figures(address)
                 if self.paused.get(address) != since:
