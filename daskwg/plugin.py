@@ -121,6 +121,8 @@ class _RankLoop:
 
     def __init__(self, name: str, skip_signal_handlers: bool):
         self.loop = asyncio.new_event_loop()
+        #: the task of the async call running now (for status records), else ``None``
+        self.current_task: asyncio.Task | None = None
         self._skip_signal_handlers = skip_signal_handlers
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -144,7 +146,14 @@ class _RankLoop:
 
     def run(self, awaitable: Any) -> Any:
         """Run ``awaitable`` on the loop; block the calling thread until it finishes."""
-        return asyncio.run_coroutine_threadsafe(_await(awaitable), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(self._call(awaitable), self.loop).result()
+
+    async def _call(self, awaitable: Any) -> Any:
+        self.current_task = asyncio.current_task()
+        try:
+            return await awaitable
+        finally:
+            self.current_task = None
 
     def close(self, wait: bool) -> None:
         """Stop the loop (its tasks are cancelled) and, if ``wait``, join the thread
@@ -161,8 +170,18 @@ class _RankLoop:
                 logger.warning("the event loop thread %s did not stop; leaving it", self._thread.name)
 
 
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
+def _task_stack(task: asyncio.Task) -> str | None:
+    """Where an async call's coroutine is, down the chain of awaited coroutines, as
+    ``traceback.format_stack`` would say it (``Task.get_stack`` gives only the top)."""
+    frames = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(frames) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "".join(traceback.format_list(frames)) if frames else None
 
 
 #: Seconds a destroyed rank's loop gives its tasks to end after they are cancelled.
@@ -504,11 +523,16 @@ class HostPlugin(WorkerPlugin):
             if running is not None and (running[0].group_id, running[0].rank) == (group_id, rank):
                 call, since, ident = running
                 frame = sys._current_frames().get(ident)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+                task = h.rank_loop.current_task if h.rank_loop is not None else None
+                if task is not None:
+                    # An async call: the host thread only waits; where the coroutine is matters.
+                    stack = _task_stack(task) or stack
                 record.update(
                     state="running",
                     method=call.method,
                     seconds=now - since,
-                    stack="".join(traceback.format_stack(frame)) if frame is not None else None,
+                    stack=stack,
                     session=call.session,
                     seq=call.seq,
                 )

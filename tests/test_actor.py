@@ -27,6 +27,10 @@ from daskwg import (
     create_colocated_worker_cls,
 )
 
+# Every test here starts or shares worker processes that import torch: on a loaded
+# machine the first test of a cluster pays for that.
+pytestmark = pytest.mark.timeout(300)
+
 
 @pytest.fixture(scope="module")
 def cluster3():
@@ -105,6 +109,21 @@ def test_an_async_call_is_finished_when_its_coroutine_returns(actors):
     assert actors.get_log() == [[1, 2, 3], [1, 2, 3]]
 
 
+def _running_stacks(dask_worker) -> list[str]:
+    host = dask_worker.plugins["daskwg"]
+    return [r["stack"] for r in host._handle_status() if r["state"] == "running"]
+
+
+def test_the_status_of_a_running_async_call_shows_where_its_coroutine_is(actors, client3):
+    futures = actors.append_later_async(4, 5.0)
+    deadline = time.monotonic() + 30
+    stacks: list[str] = []
+    while not stacks and time.monotonic() < deadline:
+        stacks = client3.run(_running_stacks, workers=[actors.workers[0]])[actors.workers[0]]
+    assert len(stacks) == 1 and "in append_later_async" in stacks[0]
+    client3.gather(futures)
+
+
 def test_a_shut_down_rank_stops_its_event_loop_thread(client3):
     wg = WorkerGroup(client3, ActorWorker, world_size=2, name="loop-owner")
     wg.start()
@@ -121,7 +140,6 @@ def test_ranks_on_local_cluster_workers_start_child_processes(actors):
     assert actors.child_exit_code() == [0, 0]
 
 
-@pytest.mark.timeout(300)
 def test_daemonic_cli_workers_say_how_to_allow_child_processes():
     cluster = CLICluster(2)
     try:
@@ -138,7 +156,6 @@ def test_daemonic_cli_workers_say_how_to_allow_child_processes():
         cluster.close()
 
 
-@pytest.mark.timeout(300)
 def test_cli_workers_started_as_the_error_says_start_child_processes(monkeypatch):
     monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
     cluster = CLICluster(2)
@@ -170,7 +187,6 @@ def _destroy_process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(180)
 def test_a_group_on_another_groups_process_group_is_refused_until_that_one_is_destroyed(client3, pool3):
     sub = pool3.split([1, 2])[1]
     with (
@@ -276,7 +292,6 @@ def test_an_asynchronous_client_is_refused_saying_what_to_do_instead(cluster3):
 # ---- 4. memory the rank holds ------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
 def test_rank_state_does_not_stop_its_own_calls_on_local_cluster_workers():
     # About 1.75 GiB of the 2 GiB limit with torch loaded: above Dask's default pause
     # threshold (80%), below the nanny's terminate threshold (95%).
@@ -304,7 +319,6 @@ def _wait_for_status(client: Client, status: str, n: int, timeout: float = 60) -
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(180)
 def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_the_figures():
     memory = {
         "distributed.worker.memory.pause": 0.5,
@@ -343,7 +357,6 @@ def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_t
         assert wg.state_mib() == [480, 480]  # the cancelled calls gave up their places
 
 
-@pytest.mark.timeout(180)
 def test_a_worker_its_nanny_restarts_for_memory_gives_worker_lost_saying_so():
     with (
         daskwg.local_cluster(n_workers=1, memory_limit="1GiB", dashboard_address=":0") as cluster,
