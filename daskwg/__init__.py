@@ -26,6 +26,7 @@ from .errors import (
     RankError,
     WorkerGroupError,
     WorkerLostError,
+    WorkerPausedError,
     WorldSizeError,
 )
 from .futures import DataProtoFuture
@@ -57,6 +58,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "WorkerLostError",
+    "WorkerPausedError",
     "WorldSizeError",
     "create_colocated_worker_cls",
     "local_cluster",

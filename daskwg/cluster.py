@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import dask.config
 from distributed import LocalCluster
 
 __all__ = ["local_cluster", "gpu_count"]
@@ -26,6 +27,40 @@ def gpu_count() -> int:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - any NVML failure means "no usable GPU"
         return 0
+
+
+#: Worker settings ``local_cluster()`` picks for long-lived rank state, and why.
+RANK_WORKER_CONFIG: dict[str, Any] = {
+    # Rank code starts child processes (DataLoader workers, inference engines); Dask
+    # starts nanny workers as daemons, which multiprocessing forbids to have children.
+    "distributed.worker.daemon": False,
+    # A rank's model and optimizer state is memory Dask does not manage: pausing cannot
+    # free it and would only stop the rank's own calls from starting.
+    "distributed.worker.memory.pause": False,
+    # Spilling moves only Dask-managed data (results of non-blocking calls) to disk; with
+    # rank state filling the process it would spill every result as soon as it is made.
+    "distributed.worker.memory.target": False,
+    "distributed.worker.memory.spill": False,
+}
+
+
+def _worker_config(user_config: dict | None) -> dict:
+    """The workers' Dask config: this process's, with :data:`RANK_WORKER_CONFIG` for
+    every key the user left at Dask's default, then what the caller passed as ``config=``."""
+    shipped = dask.config.merge(*dask.config.defaults)
+    chosen: dict = {}
+    for key, value in RANK_WORKER_CONFIG.items():
+        if dask.config.get(key, default=None) == dask.config.get(key, default=None, config=shipped):
+            chosen = dask.config.merge(chosen, _nest(key, value))
+    # Nanny merges config= into its own copy of dask.config key by key, not deeply: hand
+    # it the whole configuration, merged here.
+    return dask.config.merge(dask.config.config, chosen, user_config or {})
+
+
+def _nest(key: str, value: Any) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def local_cluster(n_workers: int | None = None, **kwargs: Any):
@@ -56,8 +91,11 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
         else:
             if n_workers is not None:
                 kwargs.setdefault("n_workers", n_workers)
+            kwargs["config"] = _worker_config(kwargs.get("config"))
             return LocalCUDACluster(**kwargs)
     kwargs.setdefault("processes", True)
+    if kwargs["processes"]:
+        kwargs["config"] = _worker_config(kwargs.get("config"))
     kwargs.setdefault("threads_per_worker", 1)
     if n_workers is not None:
         kwargs["n_workers"] = n_workers

@@ -12,6 +12,7 @@ __all__ = [
     "ConflictError",
     "ConcatError",
     "MetaInfoConflictError",
+    "WorkerPausedError",
 ]
 
 
@@ -170,3 +171,76 @@ class MetaInfoConflictError(ConcatError, ConflictError):
     method whose outputs were being collected and each rank's value; per-rank values belong
     in ``meta_info["metrics"]`` (merged into lists) or in ``non_tensor_batch``.
     """
+
+
+class WorkerPausedError(WorkerGroupError):
+    """A call on the Dask-task path could not start: its worker stayed paused.
+
+    A Dask worker whose process memory is above ``distributed.worker.memory.pause``
+    starts no tasks. Memory a rank holds (its model, optimizer, buffers) is not Dask's
+    to free, so such a pause may never end; after ``daskwg.paused-timeout`` seconds the
+    driver cancels the call on that rank (it did not run there) and raises this.
+    Blocking calls without ``DataProtoFuture`` arguments are not affected: they reach
+    the rank over the worker's comm handlers, which serve while paused.
+
+    Attributes:
+        rank: the rank whose call did not start (``int``).
+        address: its worker's address (``str``).
+        method: the method name (``str``).
+        memory: the worker process's memory in bytes when the call was given up
+            (``int``, ``None`` if the worker did not answer).
+        memory_limit: the worker's ``memory_limit`` in bytes (``int`` or ``None``).
+        pause_fraction: ``distributed.worker.memory.pause`` of that worker (``float`` or ``None``).
+        paused_for: seconds the worker had been paused (``float``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        address: str,
+        method: str,
+        memory: int | None = None,
+        memory_limit: int | None = None,
+        pause_fraction: float | None = None,
+        paused_for: float = 0.0,
+    ):
+        self.rank = rank
+        self.address = address
+        self.method = method
+        self.memory = memory
+        self.memory_limit = memory_limit
+        self.pause_fraction = pause_fraction
+        self.paused_for = paused_for
+        super().__init__(rank, address, method, memory, memory_limit, pause_fraction, paused_for)
+
+    def __str__(self) -> str:
+        from dask.utils import format_bytes
+
+        if self.memory is not None and self.memory_limit and self.pause_fraction:
+            figures = (
+                f"its process uses {format_bytes(self.memory)} of its memory_limit "
+                f"{format_bytes(self.memory_limit)}, above distributed.worker.memory.pause = "
+                f"{self.pause_fraction:g} ({format_bytes(int(self.memory_limit * self.pause_fraction))})"
+            )
+        else:
+            figures = "its memory use is above distributed.worker.memory.pause"
+        return (
+            f"rank {self.rank} ({self.address}): {self.method!r} did not start there, the call was cancelled: "
+            f"the worker has been paused for {self.paused_for:.0f} s ({figures}) and starts no tasks. "
+            "Memory a rank holds is not Dask's to free: raise the workers' memory_limit, start them with "
+            "distributed.worker.memory.pause: False (daskwg.local_cluster() does), or free memory in the rank"
+        )
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (
+                self.rank,
+                self.address,
+                self.method,
+                self.memory,
+                self.memory_limit,
+                self.pause_fraction,
+                self.paused_for,
+            ),
+        )

@@ -90,7 +90,12 @@ class WorkerGroup:
         if not isinstance(client, Client):
             raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
         if client.asynchronous:
-            raise TypeError("WorkerGroup needs a synchronous Client (asynchronous=False)")
+            raise TypeError(
+                "WorkerGroup needs a synchronous Client (asynchronous=False): its calls block until the ranks "
+                "return. From async code, connect a synchronous Client and run the blocking calls in a thread, "
+                "e.g. wg = await asyncio.to_thread(WorkerGroup, client, cls, world_size=n) and "
+                "out = await asyncio.to_thread(wg.step, batch); the event loop keeps running meanwhile"
+            )
         cls_with_init = (
             cls_or_cls_with_init
             if isinstance(cls_or_cls_with_init, ClassWithInitArgs)
@@ -149,8 +154,13 @@ class WorkerGroup:
                     "MASTER_PORT": str(self._master_port),
                 }
             )
+        # Read in the driver, so a setting applies to the groups it builds there.
+        options = {
+            "skip_signal_handlers": bool(dask.config.get("daskwg.skip-signal-handlers")),
+            "check_process_group": bool(dask.config.get("daskwg.check-process-group")),
+        }
         payloads = [
-            {"cls": cls_with_init, "env": e, "detached": detached, "world_size": self.world_size}
+            {"cls": cls_with_init, "env": e, "detached": detached, "world_size": self.world_size, **options}
             for e in envs
         ]
         ranks = list(range(self.world_size))

@@ -17,6 +17,12 @@ worker:
 The :class:`_Sequencer` releases calls to the thread strictly by sequence number, so
 the two paths cannot overtake each other, and Dask's last-in-first-out start of
 near-simultaneous tasks cannot reorder collectives.
+
+Where rank code runs: sync methods (and ``__init__``) on the host thread
+(``daskwg-host_0``), which has a current asyncio event loop of its own; ``async def``
+methods on the rank's own event loop (:class:`_RankLoop`), which keeps running between
+calls in a thread of its own, so tasks and servers they start keep serving, as in a
+Ray async actor. Neither is the process's main thread.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import functools
 import gc
 import inspect
 import logging
+import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -40,8 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import dask.config
 import numpy as np
 import torch
+import torch.distributed as dist
 from distributed import get_worker, secede
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -100,6 +110,113 @@ class LazyArg:
     transform: Callable[[list], Any]
 
 
+class _RankLoop:
+    """The event loop a rank's ``async def`` methods run on, in a thread of its own.
+
+    It runs between calls too, so tasks and servers a method starts keep serving after
+    it returns (Ray's async-actor model, which verl's rollout servers rely on). The host
+    thread hands each coroutine over and waits for it: a call still ends when its
+    coroutine returns, so calls keep their order.
+    """
+
+    def __init__(self, name: str, skip_signal_handlers: bool):
+        self.loop = asyncio.new_event_loop()
+        #: the task of the async call running now (for status records), else ``None``
+        self.current_task: asyncio.Task | None = None
+        self._skip_signal_handlers = skip_signal_handlers
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        _rank_thread.skip_signal_handlers = self._skip_signal_handlers
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                tasks = asyncio.all_tasks(self.loop)
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    # A task that ignores cancellation must not keep the thread forever.
+                    self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LOOP_CLOSE_TIMEOUT))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    def run(self, awaitable: Any) -> Any:
+        """Run ``awaitable`` on the loop; block the calling thread until it finishes."""
+        return asyncio.run_coroutine_threadsafe(self._call(awaitable), self.loop).result()
+
+    async def _call(self, awaitable: Any) -> Any:
+        self.current_task = asyncio.current_task()
+        try:
+            return await awaitable
+        finally:
+            self.current_task = None
+
+    def close(self, wait: bool) -> None:
+        """Stop the loop (its tasks are cancelled) and, if ``wait``, join the thread
+        for a bounded time."""
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed meanwhile
+            return
+        if wait:
+            self._thread.join(2 * _LOOP_CLOSE_TIMEOUT)
+            if self._thread.is_alive():
+                logger.warning("the event loop thread %s did not stop; leaving it", self._thread.name)
+
+
+def _task_stack(task: asyncio.Task) -> str | None:
+    """Where an async call's coroutine is, down the chain of awaited coroutines, as
+    ``traceback.format_stack`` would say it (``Task.get_stack`` gives only the top)."""
+    frames = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(frames) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "".join(traceback.format_list(frames)) if frames else None
+
+
+#: Seconds a destroyed rank's loop gives its tasks to end after they are cancelled.
+_LOOP_CLOSE_TIMEOUT = 5.0
+
+#: Per-thread context of rank code: whether its group asked to skip signal handlers.
+_rank_thread = threading.local()
+
+_original_signal = signal.signal
+
+
+def _signal_from_rank(signalnum: Any, handler: Any) -> Any:
+    """``signal.signal`` as rank code of a group built with ``daskwg.skip-signal-handlers``
+    sees it: off the main thread, SIGTERM/SIGINT handlers are not installed (Python
+    would refuse them) and the current handler is returned, as Ray's SGLang example
+    does for engines that register them in their constructor."""
+    if (
+        getattr(_rank_thread, "skip_signal_handlers", False)
+        and signalnum in (signal.SIGTERM, signal.SIGINT)
+        and threading.current_thread() is not threading.main_thread()
+    ):
+        logger.info(
+            "not installing a handler for %s from rank code on thread %r (daskwg.skip-signal-handlers)",
+            signal.Signals(signalnum).name,
+            threading.current_thread().name,
+        )
+        return signal.getsignal(signalnum)
+    return _original_signal(signalnum, handler)
+
+
+def _install_signal_shim() -> None:
+    if signal.signal is not _signal_from_rank:
+        signal.signal = _signal_from_rank
+
+
 @dataclass
 class _Hosted:
     instance: Any
@@ -107,6 +224,24 @@ class _Hosted:
     owner: str
     detached: bool
     group_name: str
+    world_size: int
+    skip_signal_handlers: bool = False
+    check_process_group: bool = True
+    rank_loop: _RankLoop | None = None
+
+    def close_loop(self, wait: bool) -> None:
+        if self.rank_loop is not None:
+            self.rank_loop.close(wait)
+            self.rank_loop = None
+
+
+@dataclass(frozen=True)
+class _ProcessGroupOwner:
+    """The rank whose call initialised this process's torch.distributed default group."""
+
+    group_id: str
+    group_name: str
+    rank: int
     world_size: int
 
 
@@ -205,7 +340,8 @@ class HostPlugin(WorkerPlugin):
     Registered by :class:`daskwg.WorkerGroup` with ``client.register_plugin``; the
     plugin is idempotent, so every group and every driver share the one instance per
     worker. It installs the comm handlers ``daskwg_call``, ``daskwg_skip``,
-    ``daskwg_reserve_port`` and ``daskwg_release`` on the worker.
+    ``daskwg_reserve_port``, ``daskwg_release``, ``daskwg_info``, ``daskwg_memory``,
+    ``daskwg_progress`` and ``daskwg_status`` on the worker.
     """
 
     name = PLUGIN_NAME
@@ -217,9 +353,13 @@ class HostPlugin(WorkerPlugin):
         self.address = worker.address
         self._hosted: dict[tuple[str, int], _Hosted] = {}
         self._hosted_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskwg-host")
+        self._host_loop: asyncio.AbstractEventLoop | None = None
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="daskwg-host", initializer=self._init_host_thread
+        )
         self._sequencer = _Sequencer(self._executor)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pg_owner: _ProcessGroupOwner | None = None
+        _allow_child_processes()
         self._reserved_ports: set[int] = set()
         self._current_env: dict | None = None
         self._applied_env_keys: set[str] = set()
@@ -234,13 +374,17 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
+        worker.handlers["daskwg_memory"] = self._handle_memory
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
         with self._hosted_lock:
+            hosted = list(self._hosted.values())
             self._hosted.clear()
+        for h in hosted:
+            h.close_loop(wait=False)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- entry points ----------------------------------------------------------------
@@ -316,7 +460,10 @@ class HostPlugin(WorkerPlugin):
         with self._hosted_lock:
             keys = [k for k, h in self._hosted.items() if h.owner == client and not h.detached]
             for key in keys:
-                port = self._hosted.pop(key).env.get("MASTER_PORT")
+                hosted = self._hosted.pop(key)
+                # This runs on the worker's event loop: ask the rank loops to stop, do not wait.
+                hosted.close_loop(wait=False)
+                port = hosted.env.get("MASTER_PORT")
                 if key[1] == 0 and port is not None:
                     self._reserved_ports.discard(int(port))
         self._sequencer.forget(client)
@@ -326,6 +473,17 @@ class HostPlugin(WorkerPlugin):
             logger.info("released %d rank(s) of driver %s", len(keys), client)
             gc.collect()
         return len(keys)
+
+    def _handle_memory(self) -> dict:
+        """This worker's memory figures, for messages about a paused worker: ``memory``
+        (process bytes), ``memory_limit`` (bytes or ``None``), ``pause`` (the fraction
+        of ``memory_limit`` above which it pauses, or ``False``)."""
+        manager = self.worker.memory_manager
+        return {
+            "memory": self.worker.monitor.get_process_memory(),
+            "memory_limit": manager.memory_limit,
+            "pause": manager.memory_pause_fraction,
+        }
 
     def _handle_info(self) -> dict:
         with self._hosted_lock:
@@ -365,11 +523,16 @@ class HostPlugin(WorkerPlugin):
             if running is not None and (running[0].group_id, running[0].rank) == (group_id, rank):
                 call, since, ident = running
                 frame = sys._current_frames().get(ident)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+                task = h.rank_loop.current_task if h.rank_loop is not None else None
+                if task is not None:
+                    # An async call: the host thread only waits; where the coroutine is matters.
+                    stack = _task_stack(task) or stack
                 record.update(
                     state="running",
                     method=call.method,
                     seconds=now - since,
-                    stack="".join(traceback.format_stack(frame)) if frame is not None else None,
+                    stack=stack,
                     session=call.session,
                     seq=call.seq,
                 )
@@ -393,27 +556,46 @@ class HostPlugin(WorkerPlugin):
 
     # ---- the host thread ---------------------------------------------------------------
 
+    def _init_host_thread(self) -> None:
+        self._host_loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._host_loop)
+
+    def _ensure_host_loop(self) -> None:
+        # Sync rank code may call asyncio.get_event_loop() (verl's tool parsers and reward
+        # managers do) and expects the same loop on every call. asyncio.run() inside a
+        # method unsets the thread's loop when it ends, so it is put back before each call.
+        if self._host_loop is None or self._host_loop.is_closed():
+            self._host_loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._host_loop)
+
     def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
         _bind_worker(self.worker)
         t0 = time.perf_counter()
         self._queued.pop((call.session, call.seq), None)
         self._running = (call, time.time(), threading.get_ident())
         try:
-            if call.method == "__init__":
-                return self._create(call, payload)
             if call.method == "__del__":
                 return self._destroy(call)
+            self._ensure_host_loop()
+            if call.method == "__init__":
+                return self._create(call, payload)
             return self._invoke(call, payload, lazy_values)
         except RankError as exc:
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
             raise
         except BaseException as exc:  # noqa: BLE001
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {type(exc).__name__}: {exc}"
+            hint = _runtime_hint(exc)
             raise RankError(
-                call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
+                call.rank,
+                self.address,
+                call.method,
+                traceback.format_exc(),
+                _with_message(exc, hint) if hint else _picklable_exception(exc),
             ) from None
         finally:
             self._running = None
+            _rank_thread.skip_signal_handlers = False
             logger.debug(
                 "%s.%s rank %d (call %d) took %.3f s",
                 call.group_name,
@@ -448,10 +630,18 @@ class HostPlugin(WorkerPlugin):
             if key in self._hosted:
                 raise GroupBrokenError(f"rank {call.rank} of group {call.group_name!r} already exists here")
         env = dict(payload["env"])
+        skip_signals = bool(payload.get("skip_signal_handlers", False))
+        self._check_process_group(call, payload["world_size"], payload.get("check_process_group", True))
         self._current_env = None
         self._apply_env(env)
+        if skip_signals:
+            _install_signal_shim()
+        _rank_thread.skip_signal_handlers = skip_signals
         cls_with_init = payload["cls"]
-        instance = cls_with_init()
+        try:
+            instance = cls_with_init()
+        finally:
+            self._note_process_group(call, payload["world_size"])
         with self._hosted_lock:
             self._hosted[key] = _Hosted(
                 instance=instance,
@@ -460,6 +650,8 @@ class HostPlugin(WorkerPlugin):
                 detached=payload["detached"],
                 group_name=call.group_name,
                 world_size=payload["world_size"],
+                skip_signal_handlers=skip_signals,
+                check_process_group=bool(payload.get("check_process_group", True)),
             )
         return {"pid": os.getpid(), "worker_id": self.worker.id, "host": get_address_host(self.address)}
 
@@ -479,6 +671,7 @@ class HostPlugin(WorkerPlugin):
         port = hosted.env.get("MASTER_PORT")
         if port is not None and call.rank == 0:
             self._reserved_ports.discard(int(port))
+        hosted.close_loop(wait=True)
         del hosted
         gc.collect()
         return True
@@ -503,18 +696,66 @@ class HostPlugin(WorkerPlugin):
         if lazy_values is not None:
             args = tuple(_resolve(a, lazy_values) for a in args)
             kwargs = {k: _resolve(v, lazy_values) for k, v in kwargs.items()}
+        self._check_process_group(call, hosted.world_size, hosted.check_process_group)
         self._apply_env(hosted.env)
+        _rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
         try:
             method = getattr(hosted.instance, call.method)
         except AttributeError:
             raise AttributeError(f"{type(hosted.instance).__name__} has no method {call.method!r}") from None
-        result = method(*args, **kwargs)
-        if inspect.isawaitable(result):
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            result = self._loop.run_until_complete(result)
+        try:
+            result = method(*args, **kwargs)
+            if inspect.isawaitable(result):
+                if hosted.rank_loop is None:
+                    hosted.rank_loop = _RankLoop(
+                        f"daskwg-rank-{call.group_name}-r{call.rank}", hosted.skip_signal_handlers
+                    )
+                result = hosted.rank_loop.run(result)
+        finally:
+            self._note_process_group(call, hosted.world_size)
         _check_picklable(result, call)
         return result
+
+    # ---- torch.distributed's one default process group per process ---------------------
+
+    def _check_process_group(self, call: Call, world_size: int, enabled: bool) -> None:
+        """Refuse a call whose group would silently use another group's default process
+        group: torch allows one per process, groups on overlapping workers share
+        processes, and a collective over the wrong group waits until it times out."""
+        if not enabled or not (dist.is_available() and dist.is_initialized()):
+            return
+        owner = self._pg_owner
+        if owner is not None and owner.group_id == call.group_id:
+            return  # the group's own (whatever layout it chose)
+        pg_rank, pg_size = dist.get_rank(), dist.get_world_size()
+        if (pg_rank, pg_size) == (call.rank, world_size):
+            return  # same layout: the group's collectives line up with it
+        if owner is None:
+            whose = "was initialised outside any worker-group call"
+            fix = "destroy it there first"
+        else:
+            with self._hosted_lock:
+                alive = any(gid == owner.group_id for gid, _ in self._hosted)
+            whose = (
+                f"belongs to rank {owner.rank} of group {owner.group_name!r} (world size {owner.world_size})"
+                + ("" if alive else ", which was shut down without destroy_process_group()")
+            )
+            fix = f"call torch.distributed.destroy_process_group() in group {owner.group_name!r} first"
+        raise RuntimeError(
+            f"rank {call.rank} of group {call.group_name!r} (world size {world_size}) cannot run "
+            f"{call.method!r} on {self.address}: this process's torch.distributed default process group "
+            f"{whose} and puts this process at rank {pg_rank} of {pg_size}. torch allows one default "
+            f"process group per process, so a collective of {call.group_name!r} here would wait on the "
+            f"other group's ranks until it times out. To use both groups: {fix}, put them on separate "
+            "workers, or colocate their roles in one group (create_colocated_worker_cls). A group that "
+            "never uses torch.distributed can be built with daskwg.check-process-group: False"
+        )
+
+    def _note_process_group(self, call: Call, world_size: int) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            self._pg_owner = None
+        elif self._pg_owner is None:
+            self._pg_owner = _ProcessGroupOwner(call.group_id, call.group_name, call.rank, world_size)
 
     def _reserve_port(self, port: int | None) -> int:
         host = get_address_host(self.address)
@@ -598,6 +839,51 @@ def _with_message(exc: BaseException, message: str) -> BaseException:
         return _picklable_exception(type(exc)(message)) or RuntimeError(message)
     except Exception:  # noqa: BLE001
         return RuntimeError(message)
+
+
+_DAEMONIC = "daemonic processes are not allowed to have children"
+_SIGNAL_THREAD = "signal only works in main thread"
+
+
+def _runtime_hint(exc: BaseException) -> str | None:
+    """A message saying what to do, for errors that come from where rank code runs
+    rather than from the code itself."""
+    text = " ".join(str(e) for e in _exception_chain(exc))
+    if _DAEMONIC in text:
+        return (
+            f"{_DAEMONIC}: this Dask worker process was started as a daemon (Dask's default for workers "
+            "started by a nanny), so rank code cannot start child processes (DataLoader(num_workers>0), "
+            "multiprocessing, inference engines). Start the workers with distributed.worker.daemon: False "
+            "in the Dask configuration of their nanny, e.g. DASK_DISTRIBUTED__WORKER__DAEMON=False dask "
+            "worker ...; daskwg.local_cluster() does this for its workers"
+        )
+    if _SIGNAL_THREAD in text:
+        return (
+            f"{exc}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
+            "loop thread), not on the process's main thread, so it cannot install signal handlers. For "
+            "constructors that only register SIGTERM/SIGINT handlers, build the group with "
+            'dask.config.set({"daskwg.skip-signal-handlers": True}); for timeouts use the API\'s own '
+            "(torch.distributed timeout=, asyncio.wait_for) instead of signal.alarm"
+        )
+    return None
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def _allow_child_processes() -> None:
+    """Let rank code start child processes when the worker's own configuration says
+    ``distributed.worker.daemon: False`` but its nanny lives in another process that
+    does not (``daskwg.local_cluster()`` passes the setting in the workers' config)."""
+    process = multiprocessing.current_process()
+    if process.daemon and dask.config.get("distributed.worker.daemon", default=True) is False:
+        # The flag is what multiprocessing checks in this process before starting a child.
+        process._config["daemon"] = False
 
 
 def _picklable_error(exc: BaseException) -> BaseException:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask.config
+from dask.utils import format_bytes
 from distributed import Client, Future
 from distributed import wait as dask_wait
 from distributed.client import FuturesCancelledError
@@ -46,7 +47,14 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from . import serialization  # also installs the tensor serializer in the driver
-from .errors import DispatchError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from .errors import (
+    DispatchError,
+    GroupBrokenError,
+    RankError,
+    WorkerGroupError,
+    WorkerLostError,
+    WorkerPausedError,
+)
 from .futures import DataProtoFuture
 from .plugin import PLUGIN_NAME, Call, HostPlugin, LazyArg, run_call
 
@@ -55,6 +63,9 @@ __all__ = ["Driver", "Channel", "CallWatch", "GroupTransport", "ReleaseOnClientE
 logger = logging.getLogger(__name__)
 
 _KEY_RANK = re.compile(r"-r(\d+)-[0-9a-f]{8}$")
+
+#: Seconds a call whose connection dropped waits for the scheduler's or nanny's reason.
+_LOST_REASON_WAIT = 3.0
 
 
 class Driver:
@@ -85,6 +96,16 @@ class Driver:
         self.paused: dict[str, float] = {}
         self.stuck: dict[str, tuple[str, str, Any]] = {}
         self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
+        # Per task-path future: (when it was submitted, rank, method), so that a call
+        # waiting on a paused worker is given up after daskwg.paused-timeout.
+        self.submitted: weakref.WeakKeyDictionary[Future, tuple[float, int, str]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.paused_out: dict[str, WorkerPausedError] = {}
+        # Worker address -> the nanny's "worker-restart-memory" event (rss, pid).
+        self.memory_kills: dict[str, dict] = {}
+        self.lost_by_address: dict[str, list[str]] = defaultdict(list)
+        self.memory_limits: dict[str, int | None] = {}
         self.plugins_ready = False
         self.call_numbers = itertools.count()
         self.local = threading.local()
@@ -109,6 +130,9 @@ class Driver:
                 "exits without shutdown() stay on the workers until they restart",
                 exc,
             )
+        # Nannies announce the workers they restart for memory (above
+        # distributed.worker.memory.terminate); lost-worker errors then say so.
+        self.client.subscribe_topic("worker-restart-memory", self._on_memory_restart)
         self.plugins_ready = True
 
     def channel(self) -> Channel | None:
@@ -134,6 +158,11 @@ class Driver:
             return seqs
 
     def watch(self, slots: Sequence[Any]) -> None:
+        if any(slot.address not in self.watched for slot in slots):
+            # Kept for the message about a worker its nanny restarts for memory, which
+            # comes when the scheduler has forgotten that worker.
+            for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items():
+                self.memory_limits[address] = info.get("memory_limit")
         for slot in slots:
             self.server_ids[slot.address].add(slot.server_id)
             if slot.address not in self.watched:
@@ -147,10 +176,11 @@ class Driver:
         if not isinstance(msg, dict):
             return
         if msg.get("action") == "remove-worker":
-            reason = msg.get("stimulus_id", "")
+            reason = self._memory_kill_reason(address) or msg.get("stimulus_id", "")
             orphans = []
             for sid in self.server_ids.pop(address, ()):
                 self.lost[sid] = reason
+                self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
             if orphans:
                 # A task pinned to a worker that is gone would wait forever ("no-worker"
@@ -170,9 +200,87 @@ class Driver:
             # tasks, so calls on the task path wait; _gather says so instead of waiting
             # silently. Handlers (the direct path) still run while paused.
             if msg.get("status") == "paused":
-                self.paused.setdefault(address, time.monotonic())
+                if address not in self.paused:
+                    since = self.paused[address] = time.monotonic()
+                    asyncio.ensure_future(self._give_up_paused_calls(address, since))
             else:
                 self.paused.pop(address, None)
+
+    async def _give_up_paused_calls(self, address: str, since: float) -> None:
+        """While ``address`` stays paused, cancel its task-path calls that have waited
+        ``daskwg.paused-timeout`` seconds (since they were sent or the pause began,
+        whichever is later), each with a :class:`WorkerPausedError`: a pause caused by
+        memory a rank holds may never end."""
+        timeout = float(dask.config.get("daskwg.paused-timeout"))
+        poll = float(dask.config.get("daskwg.poll-interval"))
+        while self.paused.get(address) == since:
+            now = time.monotonic()
+            try:
+                expired = [
+                    f
+                    for sid in list(self.server_ids.get(address, ()))
+                    for f in list(self.inflight.get(sid, ()))
+                    if not f.done()
+                    and f in self.submitted
+                    and now - max(since, self.submitted[f][0]) >= timeout
+                ]
+            except RuntimeError:  # a driver thread submitted meanwhile ("changed size"): next round
+                expired = []
+            if expired:
+                figures = await self._memory_figures(address)
+                if self.paused.get(address) != since:
+                    return  # resumed meanwhile: the calls run
+                for f in expired:
+                    _, rank, method = self.submitted.pop(f)
+                    self.paused_out[f.key] = WorkerPausedError(
+                        rank,
+                        address,
+                        method,
+                        memory=figures.get("memory"),
+                        memory_limit=figures.get("memory_limit"),
+                        pause_fraction=figures.get("pause") or None,
+                        paused_for=now - since,
+                    )
+                    await self.client._cancel(
+                        [f], reason="worker-paused", msg=f"WorkerPausedError: {self.paused_out[f.key]}"
+                    )
+            await asyncio.sleep(poll)
+
+    async def _memory_figures(self, address: str) -> dict:
+        try:
+            return await asyncio.wait_for(self.client.rpc(address).daskwg_memory(), 10)
+        except Exception:  # noqa: BLE001 - the message then goes without the figures
+            return {}
+
+    def _on_memory_restart(self, event: tuple) -> None:
+        _, msg = event
+        if not isinstance(msg, dict) or "worker" not in msg:
+            return
+        address = msg["worker"]
+        self.memory_kills[address] = msg
+        # The worker's removal may have been reported first: say why now.
+        reason = self._memory_kill_reason(address)
+        for sid in self.lost_by_address.get(address, ()):
+            self.lost[sid] = reason
+        for transport in list(self.transports):
+            if isinstance(transport.broken, WorkerLostError) and transport.broken.address == address:
+                transport.broken.detail = reason
+
+    def _memory_kill_reason(self, address: str) -> str | None:
+        msg = self.memory_kills.get(address)
+        if msg is None:
+            return None
+        limit = self.memory_limits.get(address)
+        return (
+            f"its nanny restarted it for memory: the process used {format_bytes(msg.get('rss', 0))}"
+            + (f" of its memory_limit {format_bytes(limit)}" if limit else "")
+            + ", above distributed.worker.memory.terminate; give the workers a larger memory_limit, "
+            "or hold less in the ranks"
+        )
+
+    def lost_reason(self, address: str, server_id: str) -> str | None:
+        """Why the worker at ``address`` went away, if the nanny or scheduler said so."""
+        return self._memory_kill_reason(address) or self.lost.get(server_id)
 
     def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to queue work behind a rank stuck in a call of a broken group.
@@ -451,7 +559,10 @@ class GroupTransport:
                 response = await pool(address).daskwg_call(call=dataclasses.astuple(call), payload=payload)
             except (CommClosedError, OSError) as exc:
                 sid = self.slots[call.rank].server_id
-                reason = self.driver.lost.setdefault(sid, f"connection lost: {exc}")
+                reason = self.driver.lost.get(sid) or await self._lost_reason(
+                    address, sid, f"connection lost: {exc}"
+                )
+                reason = self.driver.lost.setdefault(sid, reason)
                 self.worker_lost(address, reason)
                 raise self.broken or WorkerLostError(call.rank, address, str(exc)) from None
             except _TRANSFER_ERRORS as exc:
@@ -497,6 +608,16 @@ class GroupTransport:
             raise exc
         return [t.result() for t in tasks]
 
+    async def _lost_reason(self, address: str, server_id: str, fallback: str) -> str:
+        # A dropped connection comes before the scheduler's or the nanny's word on why
+        # (e.g. a restart for memory): give those a moment, on whichever loop runs this.
+        deadline = time.monotonic() + _LOST_REASON_WAIT
+        while True:
+            reason = self.driver.lost_reason(address, server_id)
+            if reason or time.monotonic() >= deadline:
+                return reason or fallback
+            await asyncio.sleep(0.05)
+
     def _submit(self, calls: list[Call], payloads: list, lazies: list[list[list]]) -> list[Future]:
         call_no = next(self.driver.call_numbers)
         futures = []
@@ -516,6 +637,7 @@ class GroupTransport:
                     retries=0,
                 )
                 future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
+                self.driver.submitted[future] = (time.monotonic(), call.rank, call.method)
                 self.driver.inflight[self.slots[call.rank].server_id].add(future)
                 futures.append(future)
         except BaseException:
@@ -606,6 +728,9 @@ class GroupTransport:
                     rank, slot.address, self.driver.lost[slot.server_id]
                 )
                 return self.broken
+            paused = self.driver.paused_out.pop(future.key, None)
+            if paused is not None:
+                return paused
             return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
         exc = future.exception()
         if isinstance(exc, WorkerGroupError):
