@@ -49,6 +49,7 @@ from distributed.protocol import to_serialize
 
 from . import serialization  # also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
+from .metrics import CallMetrics, payload_nbytes
 
 __all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
 
@@ -229,6 +230,7 @@ class HostPlugin(WorkerPlugin):
         self._queued: dict[tuple[str, int], tuple[Call, float]] = {}
         self._running: tuple[Call, float, int] | None = None
         self._last_error: dict[tuple[str, int], str] = {}
+        self._metrics = CallMetrics()
         worker.handlers["daskwg_call"] = self._handle_call
         worker.handlers["daskwg_skip"] = self._handle_skip
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
@@ -236,6 +238,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_info"] = self._handle_info
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
+        worker.handlers["daskwg_metrics"] = self._handle_metrics
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -261,7 +264,7 @@ class HostPlugin(WorkerPlugin):
             return failed
         self._queued[(call.session, call.seq)] = (call, time.time())
         result = self._sequencer.submit(
-            call.session, call.seq, lambda: self._execute(call, payload, lazy_values)
+            call.session, call.seq, lambda: self._execute_counted(call, payload, lazy_values)
         )
         if result.done():  # refused at once: it never takes a place in the order
             self._queued.pop((call.session, call.seq), None)
@@ -391,7 +394,25 @@ class HostPlugin(WorkerPlugin):
             )
         return records
 
+    def _handle_metrics(self) -> dict:
+        """Counters of the calls hosted here (:meth:`daskwg.metrics.CallMetrics.snapshot`),
+        for the scheduler's ``/metrics``."""
+        return self._metrics.snapshot()
+
     # ---- the host thread ---------------------------------------------------------------
+
+    def _execute_counted(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            result = self._execute(call, payload, lazy_values)
+            ok = True
+        finally:
+            self._metrics.record_call(call.group_name, call.method, ok, time.perf_counter() - t0)
+        if call.method not in ("__init__", "__del__"):
+            self._metrics.record_bytes(call.group_name, "in", payload_nbytes((payload, lazy_values)))
+            self._metrics.record_bytes(call.group_name, "out", payload_nbytes(result))
+        return result
 
     def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
         t0 = time.perf_counter()
