@@ -275,7 +275,7 @@ _STYLE = """
 body { font-family: -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; margin: 1.5em; color: #222; }
 h1 { font-size: 1.4em; margin-bottom: 0.2em; }
 h2 { font-size: 1.1em; margin: 1.4em 0 0.3em; }
-.meta { color: #666; font-size: 0.85em; }
+.meta { color: #666; font-size: 0.8em; font-weight: normal; }
 table { border-collapse: collapse; font-size: 0.9em; }
 th, td { border-bottom: 1px solid #ddd; padding: 0.3em 0.8em; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; }
