@@ -184,8 +184,9 @@ class DashboardPlugin(SchedulerPlugin):
 
     async def _refresh(self) -> None:
         """Refresh what ``/metrics`` reports (on the scheduler's event loop)."""
-        if self._refreshing or not (self.groups() or self.cache["status"]):
-            return
+        last = self.cache["status"]
+        if self._refreshing or not (self.groups() or (last is not None and last["groups"])):
+            return  # no groups now, and the last refresh already saw none
         self._refreshing = True
         try:
             counters, _ = await self._query("daskwg_metrics")
