@@ -86,7 +86,7 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
             from dask_cuda import LocalCUDACluster
         except ImportError:
             logger.info(
-                "GPUs found but dask-cuda is not installed (pip install 'daskwg[cuda]'); using LocalCluster"
+                "GPUs found but dask-cuda is not installed (the cuda extra of daskwg's wheel); using LocalCluster"
             )
         else:
             if n_workers is not None:

@@ -59,6 +59,7 @@ from distributed.protocol import to_serialize
 
 from . import serialization  # also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
+from .metrics import CallMetrics, payload_nbytes
 
 __all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
 
@@ -369,6 +370,7 @@ class HostPlugin(WorkerPlugin):
         self._queued: dict[tuple[str, int], tuple[Call, float]] = {}
         self._running: tuple[Call, float, int] | None = None
         self._last_error: dict[tuple[str, int], str] = {}
+        self._metrics = CallMetrics()
         worker.handlers["daskwg_call"] = self._handle_call
         worker.handlers["daskwg_skip"] = self._handle_skip
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
@@ -377,6 +379,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_memory"] = self._handle_memory
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
+        worker.handlers["daskwg_metrics"] = self._handle_metrics
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -405,7 +408,7 @@ class HostPlugin(WorkerPlugin):
             return failed
         self._queued[(call.session, call.seq)] = (call, time.time())
         result = self._sequencer.submit(
-            call.session, call.seq, lambda: self._execute(call, payload, lazy_values)
+            call.session, call.seq, lambda: self._execute_counted(call, payload, lazy_values)
         )
         if result.done():  # refused at once: it never takes a place in the order
             self._queued.pop((call.session, call.seq), None)
@@ -554,6 +557,11 @@ class HostPlugin(WorkerPlugin):
             )
         return records
 
+    def _handle_metrics(self) -> dict:
+        """Counters of the calls hosted here (:meth:`daskwg.metrics.CallMetrics.snapshot`),
+        for the scheduler's ``/metrics``."""
+        return self._metrics.snapshot()
+
     # ---- the host thread ---------------------------------------------------------------
 
     def _init_host_thread(self) -> None:
@@ -567,6 +575,19 @@ class HostPlugin(WorkerPlugin):
         if self._host_loop is None or self._host_loop.is_closed():
             self._host_loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._host_loop)
+
+    def _execute_counted(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            result = self._execute(call, payload, lazy_values)
+            ok = True
+        finally:
+            self._metrics.record_call(call.group_name, call.method, ok, time.perf_counter() - t0)
+        if call.method not in ("__init__", "__del__"):
+            self._metrics.record_bytes(call.group_name, "in", payload_nbytes((payload, lazy_values)))
+            self._metrics.record_bytes(call.group_name, "out", payload_nbytes(result))
+        return result
 
     def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
         _bind_worker(self.worker)

@@ -47,6 +47,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from . import serialization  # also installs the tensor serializer in the driver
+from .dashboard import DashboardPlugin
 from .errors import (
     DispatchError,
     GroupBrokenError,
@@ -124,6 +125,7 @@ class Driver:
         self.client.register_plugin(HostPlugin(), name=PLUGIN_NAME)
         try:
             self.client.register_plugin(ReleaseOnClientExit(), name="daskwg-release")
+            self.client.register_plugin(DashboardPlugin(), name=DashboardPlugin.name)
         except Exception as exc:  # noqa: BLE001 - the scheduler may not have daskwg installed
             logger.warning(
                 "could not install daskwg's scheduler plugin (%s): groups of a driver that "

@@ -359,8 +359,9 @@ class ClassWithInitArgs:
     Args:
         cls: the user's Worker subclass (any class works; subclass :class:`daskwg.Worker`
             to get the rank environment as attributes).
-        *args, **kwargs: passed to ``cls(*args, **kwargs)`` on every rank. They are
-            pickled (cloudpickle) once per rank.
+        *args: passed to ``cls(*args, **kwargs)`` on every rank, pickled (cloudpickle)
+            once per rank.
+        **kwargs: as ``args``.
 
     Mirrors verl's ``verl.single_controller.base.worker_group.ClassWithInitArgs``.
     """
