@@ -218,9 +218,10 @@ class GRPOConfig:
     """Hyper-parameters every rank gets (verl's ``actor_rollout_ref`` config, in small)."""
 
     hidden: int = 128
-    lr: float = 3e-3
+    lr: float = 5e-3
     kl_coef: float = 0.01  # verl: actor.kl_loss_coef, with kl_loss_type=low_var_kl
     clip_ratio: float = 0.2  # verl: actor.clip_ratio
+    ppo_epochs: int = 4  # verl: actor.ppo_epochs
     ppo_mini_batches: int = 2  # verl: train_batch_size / ppo_mini_batch_size
     grad_clip: float = 1.0
     temperature: float = 1.0
@@ -297,8 +298,10 @@ class ActorRolloutRefWorker(daskwg.Worker):
             dist.destroy_process_group()
         from datetime import timedelta
 
-        # A short timeout: if a peer dies inside a collective, this rank gives up soon.
-        dist.init_process_group(backend, timeout=timedelta(seconds=60))
+        # If a peer dies inside a collective, its neighbours fail at once but the other
+        # ranks wait for this timeout (gloo's default is 30 minutes), and the groups can
+        # only be rebuilt on their workers after that.
+        dist.init_process_group(backend, timeout=timedelta(seconds=30))
         return backend
 
     # -- rollout --
@@ -399,8 +402,8 @@ class ActorRolloutRefWorker(daskwg.Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        """PPO-clip steps with a KL penalty to the reference, over ``ppo_mini_batches``
-        mini-batches of this rank's rows. Each mini-batch's loss is the token-mean over all
+        """PPO-clip steps with a KL penalty to the reference: ``ppo_epochs`` passes over
+        ``ppo_mini_batches`` mini-batches of this rank's rows. Each mini-batch's loss is the token-mean over all
         ranks: gradients of the summed loss and the token count are all-reduced together.
 
         Returns:
@@ -421,7 +424,8 @@ class ActorRolloutRefWorker(daskwg.Worker):
         }
         self.policy.train()
         params = list(self.policy.parameters())
-        for rows in torch.tensor_split(torch.arange(len(mask), device=self.device), cfg.ppo_mini_batches):
+        mini_batches = torch.tensor_split(torch.arange(len(mask), device=self.device), cfg.ppo_mini_batches)
+        for rows in [rows for _ in range(cfg.ppo_epochs) for rows in mini_batches]:
             m = mask[rows]
             log_probs = response_log_probs(self.policy, batch["prompts"][rows], batch["responses"][rows])
             ratio = torch.exp(log_probs - batch["old_log_probs"][rows])
@@ -545,7 +549,9 @@ class Groups:
 
 def build_groups(client, args: argparse.Namespace) -> Groups:
     """The groups of ``args.placement`` on the cluster's workers, models initialised."""
-    config = GRPOConfig(hidden=args.hidden, lr=args.lr, kl_coef=args.kl_coef, seed=args.seed)
+    config = GRPOConfig(
+        hidden=args.hidden, lr=args.lr, kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, seed=args.seed
+    )
     if args.placement == "colocated":
         hybrid = daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "actor_rollout_ref", config)
         wg = daskwg.WorkerGroup(client, hybrid, world_size=args.world_size)
@@ -568,11 +574,12 @@ def build_groups(client, args: argparse.Namespace) -> Groups:
 
 
 def rebuild_groups(client, groups: Groups, args: argparse.Namespace) -> Groups:
-    """New groups after a lost worker: drop the broken ones, wait for the nanny to bring
-    the worker back, build and initialise the groups again.
+    """New groups after a lost worker: drop the broken ones, wait until the lost worker's
+    nanny has restarted it and the surviving ranks have left the broken collective (their
+    process group's timeout), then build and initialise the groups again.
 
-    Switch point (issue 10): with ``wg.restart()`` this becomes ``group.restart()`` for
-    each group, followed by ``init_model()``.
+    Switch point (issue 10): ``wg.restart()`` gives each group fresh processes, the same
+    class and arguments and a new rendezvous; call it on each group, then ``init_model()``.
     """
     for group in groups.all():
         group.shutdown()
@@ -583,8 +590,8 @@ def rebuild_groups(client, groups: Groups, args: argparse.Namespace) -> Groups:
             client.wait_for_workers(needed, timeout=max(1.0, deadline - time.monotonic()))
             return build_groups(client, args)
         except (WorkerGroupError, TimeoutError, OSError) as exc:
-            # A surviving rank may still be leaving the broken collective, or the new
-            # worker is not up yet: try again until the deadline.
+            # A surviving rank is still in the broken collective (GroupBrokenError), or
+            # the restarted worker is not up yet: try again until the deadline.
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"could not rebuild the groups within {args.recover_timeout} s: {exc}; "
@@ -609,7 +616,7 @@ def caused_by_lost_worker(groups: Groups, exc: WorkerGroupError, wait_s: float =
 def kill_worker(client, address: str) -> None:
     """SIGKILL the Dask worker process at ``address`` (its nanny, if any, restarts it)."""
 
-    def sigkill_self() -> None:
+    async def sigkill_self() -> None:  # wait=False takes coroutine functions only
         os.kill(os.getpid(), signal.SIGKILL)
 
     client.run(sigkill_self, workers=[address], wait=False)
@@ -865,12 +872,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rollout-world-size", type=int, default=2, help="rollout ranks with --placement split (default 2)"
     )
-    parser.add_argument("--steps", type=int, default=300, help="default 300")
+    parser.add_argument("--steps", type=int, default=100, help="default 100")
     parser.add_argument("--prompts-per-step", type=int, default=64, help="default 64")
     parser.add_argument(
         "--n", type=int, default=8, help="responses sampled per prompt (GRPO group size, default 8)"
     )
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    parser.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
+    parser.add_argument(
+        "--ppo-epochs", type=int, default=4, help="passes over each step's batch in update_actor (default 4)"
+    )
     parser.add_argument("--kl-coef", type=float, default=0.01, help="weight of the KL loss (default 0.01)")
     parser.add_argument("--hidden", type=int, default=128, help="GRU units (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, the sampling and the weights")
@@ -901,8 +911,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--recover-timeout",
         type=float,
-        default=120.0,
-        help="seconds to wait for workers to come back (default 120)",
+        default=300.0,
+        help="seconds to wait for workers to come back (default 300)",
     )
     parser.add_argument(
         "--final-window",
