@@ -100,7 +100,6 @@ from daskwg import DataProto, DataProtoFuture, Dispatch, Execute, WorkerGroupErr
 PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
 VOCAB = 14  # digits 0-9, "+", "=", <eos>, <pad>
 ANSWER_TOKENS = 11  # what the policy emits: digits 0-9 and <eos> (index 10 stands for EOS)
-PROMPT_LEN = 4  # a + b =
 MAX_RESPONSE_LEN = 3  # two digits and <eos>
 
 
@@ -272,7 +271,6 @@ class ActorRolloutRefWorker(daskwg.Worker):
         self.role = role
         self.cfg = cfg
         self.has_actor = "actor" in role
-        self.has_rollout = "rollout" in role
 
     # -- setup --
 
@@ -749,6 +747,11 @@ def fit(client, args: argparse.Namespace) -> int:
         step = restore(groups, args)
         history = History.load(args.checkpoint_dir, step)
         print(f"resumed from step {step} ({args.checkpoint_dir})")
+    else:
+        # A fresh run: an older run's checkpoint must not be what a recovery reloads.
+        for name in ("policy.pt", "history.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.checkpoint_dir, name))
     print(
         f"placement {args.placement}: actor on {groups.actor.world_size} ranks, "
         f"rollout on {groups.rollout.world_size} ranks, {len(set(groups.actor.workers + groups.rollout.workers))} "
@@ -765,8 +768,9 @@ def fit(client, args: argparse.Namespace) -> int:
             try:
                 kill = None
                 if kill_at is not None and step + 1 == kill_at:
-                    kill, kill_at = groups.actor.workers[min(1, groups.actor.world_size - 1)], None
-                    bar.write(f"step {step + 1}: killing the worker of trainer rank 1 ({kill})")
+                    rank = min(1, groups.actor.world_size - 1)
+                    kill, kill_at = groups.actor.workers[rank], None
+                    bar.write(f"step {step + 1}: killing the worker of trainer rank {rank} ({kill})")
                 metrics = run_step(client, groups, step, args, kill)
             except WorkerGroupError as exc:
                 if len(history.restarts) >= args.max_restarts or not caused_by_lost_worker(groups, exc):
@@ -872,7 +876,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rollout-world-size", type=int, default=2, help="rollout ranks with --placement split (default 2)"
     )
-    parser.add_argument("--steps", type=int, default=100, help="default 100")
+    parser.add_argument("--steps", type=int, default=150, help="default 150")
     parser.add_argument("--prompts-per-step", type=int, default=64, help="default 64")
     parser.add_argument(
         "--n", type=int, default=8, help="responses sampled per prompt (GRPO group size, default 8)"
@@ -938,6 +942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--prompts-per-step {args.prompts_per_step} must be a multiple of every dp size {sizes}, "
                 "so that each prompt's samples stay on one rank"
             )
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     if args.kill_worker_at_step is not None and args.kill_worker_at_step < 1:
         parser.error("--kill-worker-at-step counts steps from 1")
     return args
