@@ -35,7 +35,7 @@ call here                             verl step it mirrors
 ``rollout.load_weights``              rollout (``--placement split`` only)
 ====================================  =========================================================
 
-Every call but ``update_actor`` is registered ``blocking=False``: it returns a
+Every stage before ``update_actor`` is registered ``blocking=False``: it returns a
 ``DataProtoFuture`` at once, and the next call takes that future, so the batch moves from
 worker to worker (or stays in the worker) and never reaches the driver. The driver sends
 prompts and receives the metrics ``update_actor`` returns; at the end it prints how many
@@ -959,7 +959,7 @@ def _serve_local_cluster(n_workers: int, conn) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster_process(n_workers: int, timeout: float = 180.0):
+def local_cluster_process(n_workers: int, timeout: float = 600.0):
     """``daskwg.local_cluster(n_workers)`` in a child process; yields its scheduler address.
 
     The scheduler then lives outside the driver process, as on a real cluster, so the

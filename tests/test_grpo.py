@@ -1,5 +1,9 @@
 """The main job, examples/grpo.py: short runs of both placements, a resume and a killed
-worker, run as a user runs them (the full run to reward 0.9 is ``tox -e demo``)."""
+worker, run as a user runs them (the full run to reward 0.9 is ``tox -e demo``).
+
+The colocated run starts its own local cluster, as ``python examples/grpo.py`` does; the
+split and killed-worker runs share a cluster started with the ``dask`` command line and
+attach to it with ``--scheduler``, as on a cluster a user already runs."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import sys
 
 import pytest
 import torch
+from conftest import CLICluster, wait_for_workers
+from distributed import Client
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "grpo.py")
 
@@ -24,7 +30,7 @@ def load_example():
     return sys.modules["grpo_example"]
 
 
-def run_example(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:
+def run_example(*args: str, timeout: float = 840) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, EXAMPLE, "--min-reward", "0", *args],
         capture_output=True,
@@ -91,7 +97,7 @@ def colocated_run(tmp_path_factory):
     return tmp_path, run_example(*short_run_args(tmp_path))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_colocated_run_keeps_responses_off_the_driver(colocated_run):
     tmp_path, proc = colocated_run
     assert "actor on 4 ranks, rollout on 4 ranks, 4 Dask workers" in proc.stdout
@@ -101,7 +107,7 @@ def test_colocated_run_keeps_responses_off_the_driver(colocated_run):
     assert (tmp_path / "grpo.png").stat().st_size > 10_000
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_resume_continues_from_the_last_checkpoint(colocated_run):
     tmp_path, _ = colocated_run
     proc = run_example(*short_run_args(tmp_path, "--steps", "6", "--resume"))
@@ -109,18 +115,33 @@ def test_resume_continues_from_the_last_checkpoint(colocated_run):
     assert "steps: 2 run" in proc.stdout
 
 
-@pytest.mark.timeout(600)
-def test_split_placement_reshards_batches_and_syncs_weights_worker_to_worker(tmp_path):
-    proc = run_example(*short_run_args(tmp_path, "--placement", "split"))
+@pytest.fixture(scope="module")
+def cli_cluster6():
+    cluster = CLICluster(6)
+    try:
+        with Client(cluster.address) as client:
+            wait_for_workers(client, 6, timeout=600)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(900)
+def test_split_placement_reshards_batches_and_syncs_weights_worker_to_worker(tmp_path, cli_cluster6):
+    proc = run_example(*short_run_args(tmp_path, "--placement", "split", "--scheduler", cli_cluster6.address))
     assert "actor on 4 ranks, rollout on 2 ranks, 6 Dask workers" in proc.stdout
     # The rollout ranks hold the trainer's weights only if every sync arrived.
     assert "weights identical on all 6 ranks" in proc.stdout
     assert number(proc.stdout, "driver bytes per step") < number(proc.stdout, "one step's responses")
 
 
-@pytest.mark.timeout(600)
-def test_killed_worker_is_replaced_and_training_resumes_from_the_checkpoint(tmp_path):
-    proc = run_example(*short_run_args(tmp_path, "--steps", "5", "--kill-worker-at-step", "4"))
+@pytest.mark.timeout(900)
+def test_killed_worker_is_replaced_and_training_resumes_from_the_checkpoint(tmp_path, cli_cluster6):
+    proc = run_example(
+        *short_run_args(
+            tmp_path, "--steps", "5", "--kill-worker-at-step", "4", "--scheduler", cli_cluster6.address
+        )
+    )
     assert "killing the worker of trainer rank 1" in proc.stdout + proc.stderr
     assert "groups rebuilt 1 time(s), resumed from step(s) [2]" in proc.stdout
     assert "steps: 6 run" in proc.stdout  # 1-3, then 3-5 again after the restart from step 2
