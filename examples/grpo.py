@@ -1,0 +1,1005 @@
+"""GRPO on a worker group: a small policy learns single-digit addition by reinforcement.
+
+The main job of daskwg: the single-controller RL loop of verl's ``RayPPOTrainer.fit``
+with GRPO advantages, on Dask, on CPU, in a couple of minutes.
+
+The task. A prompt is ``a + b =`` with ``a, b`` in ``0..9`` (4 tokens); the response is
+the sum's digits followed by an end-of-sequence token, sampled token by token (at most 3
+tokens; ``7 + 8 =`` should be answered ``1 5 <eos>``). The reward is verifiable: the
+fraction of positions of ``digits + <eos>`` the response got right, so a random policy
+scores about 0.08 and a perfect one 1.0. Responses have different lengths, so the
+response masks, per-token log-probabilities and the KL to the reference are real.
+
+The policy is a 128-unit GRU language model over prompt and response tokens, started from
+random weights. Every step samples ``n`` responses per prompt, scores them, normalises the
+scores within each prompt's group (GRPO), and takes PPO-clip steps with a KL penalty to the
+frozen initial policy (the reference), gradients all-reduced over ``torch.distributed``
+(gloo on CPU, nccl on GPUs).
+
+verl's roles and steps. One hybrid worker class, ``ActorRolloutRefWorker`` (verl's name),
+holds the roles of a rank. Each step, the driver calls, in the order of verl's
+``RayPPOTrainer.fit``:
+
+====================================  =========================================================
+call here                             verl step it mirrors
+====================================  =========================================================
+``rollout.generate_sequences``        ``actor_rollout_wg.generate_sequences`` (``n`` samples
+                                      per prompt, ``repeat(interleave=True)``)
+``actor.compute_reward``              ``compute_reward(batch, reward_fn)``, on the ranks
+``actor.compute_advantage``           ``compute_advantage(..., adv_estimator=GRPO)``, on the
+                                      ranks: a prompt's ``n`` samples are on one rank
+``actor.compute_log_prob``            ``actor_rollout_wg.compute_log_prob`` (``old_log_probs``)
+``actor.compute_ref_log_prob``        ``ref_policy_wg.compute_ref_log_prob`` (``ref_log_prob``)
+``actor.update_actor``                ``actor_rollout_wg.update_actor`` (PPO-clip + KL loss)
+``actor.get_weights`` →               the weight sync of verl's hybrid engine / separate
+``rollout.load_weights``              rollout (``--placement split`` only)
+====================================  =========================================================
+
+Every stage before ``update_actor`` is registered ``blocking=False``: it returns a
+``DataProtoFuture`` at once, and the next call takes that future, so the batch moves from
+worker to worker (or stays in the worker) and never reaches the driver. The driver sends
+prompts and receives the metrics ``update_actor`` returns; at the end it prints how many
+bytes it received per step.
+
+Placements:
+
+* ``--placement colocated`` (default): every role on every one of ``--world-size`` ranks
+  (verl's hybrid engine); the rollout uses the actor's weights in place.
+* ``--placement split``: the rollout on its own group of ``--rollout-world-size`` ranks on
+  other workers, the actor and reference on ``--world-size`` ranks. Generated batches
+  reshard from the rollout's dp size to the trainer's on their way; after each update the
+  trainer's rank 0 weights go to the rollout ranks worker to worker.
+
+Faults: ``--kill-worker-at-step K`` SIGKILLs the Dask worker process of trainer rank 1 while
+step K is in flight. The driver gets ``WorkerLostError``, builds the groups again once the
+nanny has restarted the worker, reloads the last checkpoint (``--checkpoint-every``) and
+carries on.
+
+Run it on a local cluster (started for you)::
+
+    python examples/grpo.py                       # colocated, 4 ranks
+    python examples/grpo.py --placement split     # 2 rollout + 4 trainer ranks
+    python examples/grpo.py --kill-worker-at-step 10
+
+or on a cluster you started with the ``dask`` command line (checkpoints must then be on a
+file system every worker sees)::
+
+    dask scheduler --port 8786 &
+    dask worker tcp://127.0.0.1:8786 --nworkers 4 --nthreads 1 &
+    python examples/grpo.py --scheduler tcp://127.0.0.1:8786
+
+It prints ``final mean reward: X`` (mean over the last ``--final-window`` steps) and
+``driver bytes per step: N``, writes reward, KL and response-length curves to ``--out``, and
+exits with status 1 if the final mean reward is below ``--min-reward``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import daskwg
+from daskwg import DataProto, DataProtoFuture, Dispatch, Execute, WorkerGroupError, WorkerLostError, register
+
+# ---- the task: single-digit addition --------------------------------------------------------
+
+PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
+VOCAB = 14  # digits 0-9, "+", "=", <eos>, <pad>
+ANSWER_TOKENS = 11  # what the policy emits: digits 0-9 and <eos> (index 10 stands for EOS)
+MAX_RESPONSE_LEN = 3  # two digits and <eos>
+
+
+def make_prompts(n_prompts: int, step: int, seed: int) -> DataProto:
+    """The prompts of one step, the same for a given ``(seed, step)`` (so a resumed run
+    sees the prompts the interrupted one would have).
+
+    Returns:
+        DataProto with ``prompts`` [n, 4] int64 (``a + b =``), ``ground_truth`` [n] int64
+        (``a + b``) and ``uid`` [n] int64 (unique per prompt in the run: GRPO's group id).
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    a = torch.randint(0, 10, (n_prompts,), generator=generator)
+    b = torch.randint(0, 10, (n_prompts,), generator=generator)
+    prompts = torch.stack([a, torch.full_like(a, PLUS), b, torch.full_like(a, EQUALS)], dim=1)
+    uid = step * n_prompts + torch.arange(n_prompts)
+    return DataProto.from_dict({"prompts": prompts, "ground_truth": a + b, "uid": uid})
+
+
+def score_responses(
+    responses: torch.Tensor, response_mask: torch.Tensor, ground_truth: torch.Tensor
+) -> torch.Tensor:
+    """The verifiable reward: the fraction of the positions of ``digits + <eos>`` (target or
+    response, whichever is longer) where the response has the target's token.
+
+    Args:
+        responses: [b, R] int64 (``PAD`` after the first ``EOS``).
+        response_mask: [b, R] float, 1 up to and including the first ``EOS``.
+        ground_truth: [b] int64, the sums.
+    Returns:
+        [b] float32 in [0, 1].
+    """
+    scores = []
+    for response, length, total in zip(
+        responses.tolist(), response_mask.sum(1).tolist(), ground_truth.tolist()
+    ):
+        target = [int(c) for c in str(total)] + [EOS]
+        got = response[: int(length)]
+        right = sum(t == g for t, g in zip(target, got))
+        scores.append(right / max(len(target), len(got)))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+# ---- the policy -----------------------------------------------------------------------------
+
+
+class GRUPolicy(nn.Module):
+    """A GRU language model: token embeddings → one GRU layer → logits over the answer tokens."""
+
+    def __init__(self, hidden: int = 128):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.rnn = nn.GRU(hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, ANSWER_TOKENS)
+
+    def forward(self, tokens: torch.Tensor, state: torch.Tensor | None = None):
+        """``tokens`` [b, t] → logits [b, t, 11] and the GRU state."""
+        out, state = self.rnn(self.embed(tokens), state)
+        return self.head(out), state
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: GRUPolicy, prompts: torch.Tensor, generator: torch.Generator, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one response per prompt row, token by token, until ``EOS`` or 3 tokens.
+
+    Returns:
+        ``responses`` [b, 3] int64 (``PAD`` after the first ``EOS``) and ``response_mask``
+        [b, 3] float32 (1 up to and including the first ``EOS``).
+    """
+    batch = prompts.shape[0]
+    responses = torch.full((batch, MAX_RESPONSE_LEN), PAD, dtype=torch.long, device=prompts.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
+    logits, state = policy(prompts)
+    for t in range(MAX_RESPONSE_LEN):
+        probs = torch.softmax(logits[:, -1] / temperature, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        token = torch.where(token == ANSWER_TOKENS - 1, torch.full_like(token, EOS), token)
+        token = torch.where(done, torch.full_like(token, PAD), token)
+        responses[:, t] = token
+        done |= token == EOS
+        logits, state = policy(token[:, None], state)
+    return responses, response_mask_of(responses)
+
+
+def response_mask_of(responses: torch.Tensor) -> torch.Tensor:
+    """1 for every response token up to and including the first ``EOS``, 0 after it."""
+    is_eos = (responses == EOS).int()
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos
+    return (eos_before == 0).float()
+
+
+def response_log_probs(policy: GRUPolicy, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probabilities [b, R] of ``responses`` given ``prompts`` (teacher forcing).
+
+    Positions after the first ``EOS`` hold the log-probability of ``EOS``; mask them out.
+    """
+    answer_ids = responses.clamp(max=ANSWER_TOKENS - 1)  # EOS and PAD → the EOS output
+    tokens = torch.cat([prompts, responses.clamp(max=EOS)], dim=1)[:, :-1]
+    logits, _ = policy(tokens)
+    log_probs = torch.log_softmax(logits[:, prompts.shape[1] - 1 :], dim=-1)
+    return log_probs.gather(-1, answer_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+# ---- the worker: verl's ActorRolloutRefWorker ----------------------------------------------
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters every rank gets (verl's ``actor_rollout_ref`` config, in small)."""
+
+    hidden: int = 128
+    lr: float = 5e-3
+    kl_coef: float = 0.01  # verl: actor.kl_loss_coef, with kl_loss_type=low_var_kl
+    clip_ratio: float = 0.2  # verl: actor.clip_ratio
+    ppo_epochs: int = 4  # verl: actor.ppo_epochs
+    ppo_mini_batches: int = 2  # verl: train_batch_size / ppo_mini_batch_size
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    seed: int = 0
+
+
+def _with(data: DataProto, **tensors: torch.Tensor) -> DataProto:
+    """``data`` plus new tensor keys, as a new DataProto.
+
+    The input may be the very object the worker keeps as an earlier call's result (a
+    same-rank DataProtoFuture resolves to it), so it is not changed in place.
+    """
+    batch = data.batch.clone(recurse=False)
+    for key, value in tensors.items():
+        batch[key] = value
+    return DataProto(
+        batch=batch, non_tensor_batch=dict(data.non_tensor_batch), meta_info=dict(data.meta_info)
+    )
+
+
+def _repeat_for_sampling(data: DataProto, n: int) -> DataProto:
+    """``n`` rows per prompt, a prompt's rows next to each other (verl's
+    ``batch.repeat(n, interleave=True)``). Done on the rank, so only the prompts travel.
+
+    Switch point (issue 9): with a lazy ``DataProtoFuture.repeat`` the driver can do this
+    on the future instead, without moving any bytes.
+    """
+    return data.repeat(n, interleave=True)
+
+
+class ActorRolloutRefWorker(daskwg.Worker):
+    """One rank holding some of the roles actor, rollout and reference (verl's hybrid worker).
+
+    Args:
+        role: ``"actor_rollout_ref"`` (all three, the colocated placement), ``"actor_ref"``
+            (the trainer of the split placement) or ``"rollout"``.
+        cfg: the :class:`GRPOConfig`.
+    """
+
+    ROLES = ("actor_rollout_ref", "actor_ref", "rollout")
+
+    def __init__(self, role: str, cfg: GRPOConfig):
+        super().__init__()
+        if role not in self.ROLES:
+            raise ValueError(f"role must be one of {self.ROLES}, got {role!r}")
+        # Ranks usually share a machine's cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(1)
+        self.role = role
+        self.cfg = cfg
+        self.has_actor = "actor" in role
+
+    # -- setup --
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> str:
+        """Build the policy (and, with the actor role, the reference, the optimizer and
+        the process group the gradients are all-reduced over). Returns the backend."""
+        if torch.cuda.is_available():
+            backend, self.device = "nccl", torch.device("cuda", 0)  # dask-cuda: one GPU per worker
+            torch.cuda.set_device(self.device)
+        else:
+            backend, self.device = "gloo", torch.device("cpu")
+        torch.manual_seed(self.cfg.seed)  # same initial weights on every rank of every group
+        self.policy = GRUPolicy(self.cfg.hidden).to(self.device)
+        if not self.has_actor:
+            return "none"
+        self.ref = GRUPolicy(self.cfg.hidden).to(self.device)
+        self.ref.load_state_dict(self.policy.state_dict())
+        self.ref.requires_grad_(False)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr)
+        if dist.is_initialized():
+            # Left over from a group on this worker that broke (a peer was killed).
+            dist.destroy_process_group()
+        from datetime import timedelta
+
+        # If a peer dies inside a collective, its neighbours fail at once but the other
+        # ranks wait for this timeout (gloo's default is 30 minutes), and the groups can
+        # only be rebuilt on their workers after that.
+        dist.init_process_group(backend, timeout=timedelta(seconds=30))
+        return backend
+
+    # -- rollout --
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``meta_info["n"]`` responses per prompt.
+
+        Args:
+            prompts: ``prompts`` [p, 4], ``ground_truth`` [p], ``uid`` [p]; meta_info
+                ``n``, ``step``.
+        Returns:
+            [p*n] rows: the input keys repeated, plus ``responses`` [p*n, 3],
+            ``response_mask`` [p*n, 3], ``input_ids`` [p*n, 7] (prompt + response).
+        """
+        n, step = int(prompts.meta_info["n"]), int(prompts.meta_info["step"])
+        data = _repeat_for_sampling(prompts, n)
+        generator = torch.Generator(self.device).manual_seed(
+            (self.cfg.seed * 1_000_003 + step) * 1009 + self.rank
+        )
+        prompt_ids = data.batch["prompts"].to(self.device)
+        self.policy.eval()
+        responses, response_mask = sample_responses(self.policy, prompt_ids, generator, self.cfg.temperature)
+        responses, response_mask = responses.cpu(), response_mask.cpu()
+        return _with(
+            data,
+            responses=responses,
+            response_mask=response_mask,
+            input_ids=torch.cat([data.batch["prompts"], responses], dim=1),
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights) -> None:
+        """Load the actor's weights (a TensorDict of the state dict) into the rollout policy."""
+        self.policy.load_state_dict({k: v.to(self.device) for k, v in weights.items()})
+
+    # -- reward and advantage (verl computes these in the driver; here they stay on the ranks) --
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def compute_reward(self, data: DataProto) -> DataProto:
+        """``token_level_scores`` [b, R]: the sequence's score on its last response token."""
+        scores = score_responses(
+            data.batch["responses"], data.batch["response_mask"], data.batch["ground_truth"]
+        )
+        mask = data.batch["response_mask"]
+        last = (mask.sum(1).long() - 1).clamp(min=0)
+        token_scores = torch.zeros_like(mask).scatter_(1, last[:, None], scores[:, None])
+        return _with(data, token_level_scores=token_scores, token_level_rewards=token_scores)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def compute_advantage(self, data: DataProto) -> DataProto:
+        """GRPO advantages: each sequence's score normalised by the mean and standard
+        deviation of its prompt's group (``uid``), broadcast over the response tokens.
+
+        Raises:
+            RuntimeError: a prompt's group is not whole on this rank (the prompts per step
+                must be a multiple of every dp size so that no group is cut).
+        """
+        scores = data.batch["token_level_rewards"].sum(1)
+        uid = data.batch["uid"]
+        n = int(data.meta_info["n"])
+        groups, index = torch.unique(uid, return_inverse=True)
+        counts = torch.bincount(index, minlength=len(groups))
+        if bool((counts != n).any()):
+            raise RuntimeError(
+                f"rank {self.rank} holds {counts.tolist()} samples of its prompts instead of {n} each: "
+                "a prompt's group was cut between ranks; make the prompts per step a multiple of every dp size"
+            )
+        grouped = torch.zeros(len(groups), n)
+        slot = torch.zeros_like(index)
+        for g in range(len(groups)):
+            members = (index == g).nonzero().squeeze(1)
+            slot[members] = torch.arange(len(members))
+        grouped[index, slot] = scores
+        mean, std = grouped.mean(1), grouped.std(1)
+        advantages = (scores - mean[index]) / (std[index] + 1e-6)
+        return _with(data, advantages=advantages[:, None] * data.batch["response_mask"])
+
+    # -- actor and reference --
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` [b, R]: the log-probs of the responses under the current actor."""
+        self.policy.eval()
+        return _with(data, old_log_probs=self._log_probs(self.policy, data).cpu())
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @torch.no_grad()
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` [b, R]: the log-probs of the responses under the reference."""
+        return _with(data, ref_log_prob=self._log_probs(self.ref, data).cpu())
+
+    def _log_probs(self, policy: GRUPolicy, data: DataProto) -> torch.Tensor:
+        return response_log_probs(
+            policy, data.batch["prompts"].to(self.device), data.batch["responses"].to(self.device)
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO-clip steps with a KL penalty to the reference: ``ppo_epochs`` passes over
+        ``ppo_mini_batches`` mini-batches of this rank's rows. Each mini-batch's loss is the token-mean over all
+        ranks: gradients of the summed loss and the token count are all-reduced together.
+
+        Returns:
+            sums over this rank's rows, for the driver to aggregate: ``reward``, ``sequences``,
+            ``response_tokens``, ``kl``, ``pg_loss``, ``clipped`` (tokens), ``tokens``.
+        """
+        cfg = self.cfg
+        batch = {key: data.batch[key].to(self.device) for key in data.batch.keys()}
+        mask = batch["response_mask"]
+        metrics = {
+            "reward": float(batch["token_level_scores"].sum()),
+            "sequences": float(len(mask)),
+            "response_tokens": float(mask.sum()),
+            "kl": 0.0,
+            "pg_loss": 0.0,
+            "clipped": 0.0,
+            "tokens": 0.0,
+        }
+        self.policy.train()
+        params = list(self.policy.parameters())
+        mini_batches = torch.tensor_split(torch.arange(len(mask), device=self.device), cfg.ppo_mini_batches)
+        for rows in [rows for _ in range(cfg.ppo_epochs) for rows in mini_batches]:
+            m = mask[rows]
+            log_probs = response_log_probs(self.policy, batch["prompts"][rows], batch["responses"][rows])
+            ratio = torch.exp(log_probs - batch["old_log_probs"][rows])
+            advantages = batch["advantages"][rows]
+            clipped_ratio = ratio.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio)
+            pg = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+            # verl's "low_var_kl" (k3) estimator of KL(actor || ref), clamped as verl does.
+            delta = (batch["ref_log_prob"][rows] - log_probs).clamp(-20, 20)
+            kl = (torch.exp(delta) - delta - 1).clamp(-10, 10)
+            loss_sum = masked_sum(pg + cfg.kl_coef * kl, m)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss_sum.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [m.sum().reshape(1)])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            tokens = flat[-1].clamp(min=1)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p) / tokens)
+                offset += p.numel()
+            nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            self.optimizer.step()
+            metrics["kl"] += float(masked_sum(kl.detach(), m))
+            metrics["pg_loss"] += float(masked_sum(pg.detach(), m))
+            metrics["clipped"] += float(masked_sum((ratio.detach() != clipped_ratio.detach()).float(), m))
+            metrics["tokens"] += float(m.sum())
+        return metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+    def get_weights(self):
+        """The actor's weights as a TensorDict (no batch dimension); rank 0 only."""
+        from tensordict import TensorDict
+
+        return TensorDict(
+            {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}, batch_size=[]
+        )
+
+    # -- checkpoints --
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def save_checkpoint(self, directory: str, step: int) -> str:
+        """Write policy, reference and optimizer state to ``directory/policy.pt`` (rank 0;
+        every rank holds the same state). Returns the path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "policy.pt")
+        state = {
+            "step": step,
+            "policy": self.policy.state_dict(),
+            "ref": self.ref.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a killed run never leaves half a checkpoint
+        return path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> int:
+        """Load ``directory/policy.pt`` on every rank; returns its step."""
+        state = torch.load(os.path.join(directory, "policy.pt"), map_location=self.device)
+        self.policy.load_state_dict(state["policy"])
+        if self.has_actor:
+            self.ref.load_state_dict(state["ref"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    # -- end --
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_checksum(self) -> str:
+        """sha256 of the policy's flattened parameters."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.policy.parameters()]).cpu()
+        return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def destroy_process_group(self) -> None:
+        """Leave the process group (call before the group's ``shutdown()``)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Groups:
+    """The worker groups of a placement: ``rollout`` and ``actor`` are the same group when
+    colocated."""
+
+    actor: daskwg.WorkerGroup
+    rollout: daskwg.WorkerGroup
+    backend: str = "gloo"
+
+    @property
+    def split(self) -> bool:
+        return self.rollout is not self.actor
+
+    def all(self) -> list[daskwg.WorkerGroup]:
+        return [self.actor, self.rollout] if self.split else [self.actor]
+
+    def sync_weights(self) -> None:
+        """Send the actor's weights to the rollout ranks, worker to worker.
+
+        ``get_weights`` runs on trainer rank 0 and leaves its result there as a Dask
+        future; wrapped as a ``DataProtoFuture``, it is an argument the rollout ranks
+        fetch from that worker themselves. ``load_weights`` waits until they have loaded
+        it (a few milliseconds), so its failures surface here as ``RankError`` or
+        ``WorkerLostError``.
+        """
+        if not self.split:
+            return  # the hybrid engine: the rollout samples with the actor's own weights
+        self.rollout.load_weights(DataProtoFuture.concat([self.actor.get_weights()]))
+
+    def shutdown(self) -> None:
+        for group in self.all():
+            if not group.is_broken:
+                try:
+                    group.destroy_process_group()
+                except WorkerGroupError:
+                    pass
+            group.shutdown()
+
+
+def build_groups(client, args: argparse.Namespace) -> Groups:
+    """The groups of ``args.placement`` on the cluster's workers, models initialised."""
+    config = GRPOConfig(
+        hidden=args.hidden, lr=args.lr, kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, seed=args.seed
+    )
+    if args.placement == "colocated":
+        hybrid = daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "actor_rollout_ref", config)
+        wg = daskwg.WorkerGroup(client, hybrid, world_size=args.world_size)
+        groups = Groups(actor=wg, rollout=wg)
+    else:
+        pool = daskwg.ResourcePool(client, world_size=args.world_size + args.rollout_world_size)
+        trainer_pool, rollout_pool = pool.split([args.world_size, args.rollout_world_size])
+        actor = daskwg.WorkerGroup(
+            client, daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "actor_ref", config), workers=trainer_pool
+        )
+        rollout = daskwg.WorkerGroup(
+            client, daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "rollout", config), workers=rollout_pool
+        )
+        groups = Groups(actor=actor, rollout=rollout)
+    for group in groups.all():
+        backends = group.init_model()
+        if group is groups.actor:
+            groups.backend = backends[0]
+    return groups
+
+
+def rebuild_groups(client, groups: Groups, args: argparse.Namespace) -> Groups:
+    """New groups after a lost worker: drop the broken ones, wait until the lost worker's
+    nanny has restarted it and the surviving ranks have left the broken collective (their
+    process group's timeout), then build and initialise the groups again.
+
+    Switch point (issue 10): ``wg.restart()`` gives each group fresh processes, the same
+    class and arguments and a new rendezvous; call it on each group, then ``init_model()``.
+    """
+    for group in groups.all():
+        group.shutdown()
+    needed = args.world_size + (args.rollout_world_size if args.placement == "split" else 0)
+    deadline = time.monotonic() + args.recover_timeout
+    while True:
+        try:
+            client.wait_for_workers(needed, timeout=max(1.0, deadline - time.monotonic()))
+            return build_groups(client, args)
+        except (WorkerGroupError, TimeoutError, OSError) as exc:
+            # A surviving rank is still in the broken collective (GroupBrokenError), or
+            # the restarted worker is not up yet: try again until the deadline.
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"could not rebuild the groups within {args.recover_timeout} s: {exc}; "
+                    f"the cluster needs {needed} workers"
+                ) from exc
+            time.sleep(1.0)
+
+
+def caused_by_lost_worker(groups: Groups, exc: WorkerGroupError, wait_s: float = 10.0) -> bool:
+    """Whether ``exc`` comes from a lost worker: a ``WorkerLostError``, or another error
+    (a peer's collective failing first, say) after which a group breaks within ``wait_s``."""
+    if isinstance(exc, WorkerLostError):
+        return True
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if any(group.is_broken for group in groups.all()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def kill_worker(client, address: str) -> None:
+    """SIGKILL the Dask worker process at ``address`` (its nanny, if any, restarts it)."""
+
+    async def sigkill_self() -> None:  # wait=False takes coroutine functions only
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    client.run(sigkill_self, workers=[address], wait=False)
+
+
+class DriverBytes:
+    """Bytes this process received over TCP, from the kernel's per-socket counters
+    (Linux ``TCP_INFO`` ``tcpi_bytes_received``), so everything counts whatever library
+    read it. ``sample()`` after every step adds each open socket's growth since the last
+    sample, so sockets that close later (a lost worker's) keep what they counted.
+    ``total`` is ``None`` where ``TCP_INFO`` is not available.
+    """
+
+    def __init__(self) -> None:
+        self.total: int | None = 0 if sys.platform.startswith("linux") else None
+        self._last: dict[tuple, int] = {}
+        self._last = self._read()
+
+    def _read(self) -> dict[tuple, int]:
+        counts = {}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                sock = socket.socket(fileno=int(name))
+            except (OSError, ValueError):
+                continue  # not a socket, or already closed
+            try:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+                    if len(info) >= 136:
+                        key = (int(name), sock.getsockname(), sock.getpeername())
+                        counts[key] = struct.unpack_from("Q", info, 128)[0]  # tcpi_bytes_received
+            except OSError:
+                pass  # not connected
+            finally:
+                sock.detach()
+        return counts
+
+    def sample(self) -> None:
+        if self.total is None:
+            return
+        now = self._read()
+        self.total += sum(count - self._last.get(key, 0) for key, count in now.items())
+        self._last = now
+
+
+def response_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """(bytes of one step's ``responses`` tensor, bytes of one step's whole rollout batch),
+    measured on a batch generated here like ``generate_sequences`` does."""
+    prompts = make_prompts(args.prompts_per_step, 0, args.seed).repeat(args.n, interleave=True)
+    torch.manual_seed(args.seed)
+    responses, mask = sample_responses(GRUPolicy(args.hidden), prompts.batch["prompts"], torch.Generator())
+    batch = {
+        **{k: prompts.batch[k] for k in prompts.batch.keys()},
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompts.batch["prompts"], responses], 1),
+    }
+    return responses.nbytes, sum(t.nbytes for t in batch.values())
+
+
+def run_step(
+    client, groups: Groups, step: int, args: argparse.Namespace, kill: str | None = None
+) -> dict[str, float]:
+    """One GRPO step (verl's ``RayPPOTrainer.fit`` loop body); returns the step's metrics.
+
+    Only the prompts leave the driver and only the metrics come back: every other call
+    returns a ``DataProtoFuture`` that the next call consumes on the workers.
+    """
+    prompts = make_prompts(args.prompts_per_step, step, args.seed)
+    prompts.meta_info.update(n=args.n, step=step)
+    batch = groups.rollout.generate_sequences(prompts)
+    # Switch point (issue 9): with lazy union/select, each call returns only its new keys
+    # and the driver unions the futures (batch = batch.union(...)), as verl's trainer does.
+    batch = groups.actor.compute_reward(batch)
+    batch = groups.actor.compute_advantage(batch)
+    batch = groups.actor.compute_log_prob(batch)
+    batch = groups.actor.compute_ref_log_prob(batch)
+    if kill is not None:
+        kill_worker(client, kill)
+    per_rank = groups.actor.update_actor(batch)
+    groups.sync_weights()
+    total = {key: sum(m[key] for m in per_rank) for key in per_rank[0]}
+    return {
+        "reward": total["reward"] / total["sequences"],
+        "kl": total["kl"] / max(total["tokens"], 1.0),
+        "response_length": total["response_tokens"] / total["sequences"],
+        "pg_clipfrac": total["clipped"] / max(total["tokens"], 1.0),
+    }
+
+
+@dataclass
+class History:
+    """Per-step metrics of the run (what the plot and ``--resume`` need)."""
+
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)  # steps at which the groups were rebuilt
+
+    def save(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "history.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"metrics": self.metrics, "restarts": self.restarts}, f)
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, directory: str, step: int) -> History:
+        with open(os.path.join(directory, "history.json")) as f:
+            data = json.load(f)
+        return cls(metrics=data["metrics"][:step], restarts=[s for s in data["restarts"] if s <= step])
+
+
+def restore(groups: Groups, args: argparse.Namespace) -> int:
+    """Load the last checkpoint into the groups; returns its step (0 if there is none)."""
+    if not os.path.exists(os.path.join(args.checkpoint_dir, "policy.pt")):
+        return 0
+    step = groups.actor.load_checkpoint(args.checkpoint_dir)[0]
+    groups.sync_weights()
+    return step
+
+
+def fit(client, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    groups = build_groups(client, args)
+    history = History()
+    step = 0
+    if args.resume:
+        if not os.path.exists(os.path.join(args.checkpoint_dir, "policy.pt")):
+            raise SystemExit(f"--resume: no checkpoint in {args.checkpoint_dir}; run without --resume first")
+        step = restore(groups, args)
+        history = History.load(args.checkpoint_dir, step)
+        print(f"resumed from step {step} ({args.checkpoint_dir})")
+    else:
+        # A fresh run: an older run's checkpoint must not be what a recovery reloads.
+        for name in ("policy.pt", "history.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.checkpoint_dir, name))
+    print(
+        f"placement {args.placement}: actor on {groups.actor.world_size} ranks, "
+        f"rollout on {groups.rollout.world_size} ranks, {len(set(groups.actor.workers + groups.rollout.workers))} "
+        f"Dask workers, gradients all-reduced over {groups.backend}"
+    )
+    kill_at = args.kill_worker_at_step
+    steps_run = 0
+    refresh_s = 0.1 if sys.stderr.isatty() else 5.0
+    received, start_time = DriverBytes(), time.perf_counter()
+    reached: tuple[int, float] | None = None  # (step, seconds) when the windowed mean first made it
+    bar = tqdm(total=args.steps, initial=step, unit="step", file=sys.stderr, mininterval=refresh_s)
+    with bar:
+        while step < args.steps:
+            try:
+                kill = None
+                if kill_at is not None and step + 1 == kill_at:
+                    rank = min(1, groups.actor.world_size - 1)
+                    kill, kill_at = groups.actor.workers[rank], None
+                    bar.write(f"step {step + 1}: killing the worker of trainer rank {rank} ({kill})")
+                metrics = run_step(client, groups, step, args, kill)
+            except WorkerGroupError as exc:
+                if len(history.restarts) >= args.max_restarts or not caused_by_lost_worker(groups, exc):
+                    raise
+                bar.write(f"step {step + 1}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                groups = rebuild_groups(client, groups, args)
+                step = restore(groups, args)
+                history.metrics = history.metrics[:step]
+                history.restarts.append(step)
+                bar.write(f"groups rebuilt; resuming from the checkpoint of step {step}")
+                bar.n = step
+                bar.refresh()
+                continue
+            step += 1
+            steps_run += 1
+            history.metrics.append(metrics)
+            received.sample()
+            window = [m["reward"] for m in history.metrics[-args.final_window :]]
+            if (
+                reached is None
+                and len(window) == args.final_window
+                and sum(window) / len(window) >= args.min_reward
+            ):
+                reached = (step, time.perf_counter() - start_time)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}", refresh=False)
+            bar.update()
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                groups.actor.save_checkpoint(args.checkpoint_dir, step)
+                history.save(args.checkpoint_dir)
+    elapsed = time.perf_counter() - start_time
+    checksums = groups.actor.weights_checksum() + (groups.rollout.weights_checksum() if groups.split else [])
+    groups.shutdown()
+
+    plot(history, args)
+    window = history.metrics[-args.final_window :]
+    final = sum(m["reward"] for m in window) / len(window)
+    print(f"steps: {steps_run} run in {elapsed:.1f} s ({elapsed / max(steps_run, 1):.3f} s/step)")
+    if reached is not None:
+        print(
+            f"mean reward over {args.final_window} steps first >= {args.min_reward} at step {reached[0]}, "
+            f"{reached[1]:.1f} s into training"
+        )
+    if history.restarts:
+        print(f"groups rebuilt {len(history.restarts)} time(s), resumed from step(s) {history.restarts}")
+    resp, rollout = response_bytes(args)
+    print(f"one step's responses: {resp} bytes ({rollout} bytes with the rest of the rollout batch)")
+    if received.total is not None and steps_run:
+        print(f"driver bytes per step: {received.total // steps_run}")
+    else:
+        print("driver bytes per step: n/a (needs Linux TCP_INFO)")
+    print(f"plot written to {args.out}")
+    print(f"final mean reward: {final:.4f} (mean over the last {len(window)} steps)")
+    if len(set(checksums)) != 1:
+        print(f"ERROR: the ranks' weights differ after training: {checksums}", file=sys.stderr)
+        return 1
+    print(f"weights identical on all {len(checksums)} ranks (sha256 {checksums[0][:16]}...)")
+    if final < args.min_reward:
+        print(f"ERROR: final mean reward {final:.4f} is below {args.min_reward}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot(history: History, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(history.metrics) + 1))
+    panels = [
+        ("reward", "mean reward", "reward (fraction of answer tokens right)"),
+        ("kl", "KL to reference", "KL(actor || reference), k3 estimate"),
+        ("response_length", "tokens", "response length (incl. <eos>)"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        ax.plot(steps, [m[key] for m in history.metrics], lw=1)
+        for restart in history.restarts:
+            ax.axvline(restart, color="tab:red", ls=":", lw=1, label="worker killed, resumed here")
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(args.min_reward, color="gray", ls="--", lw=1, label=f"required ({args.min_reward})")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"GRPO on daskwg, {args.placement} placement", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fig.savefig(args.out, dpi=80)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="attach to this Dask scheduler instead of starting a local cluster",
+    )
+    parser.add_argument(
+        "--placement", choices=("colocated", "split"), default="colocated", help="default colocated"
+    )
+    parser.add_argument("--world-size", type=int, default=4, help="actor (trainer) ranks (default 4)")
+    parser.add_argument(
+        "--rollout-world-size", type=int, default=2, help="rollout ranks with --placement split (default 2)"
+    )
+    parser.add_argument("--steps", type=int, default=150, help="default 150")
+    parser.add_argument("--prompts-per-step", type=int, default=64, help="default 64")
+    parser.add_argument(
+        "--n", type=int, default=8, help="responses sampled per prompt (GRPO group size, default 8)"
+    )
+    parser.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
+    parser.add_argument(
+        "--ppo-epochs", type=int, default=4, help="passes over each step's batch in update_actor (default 4)"
+    )
+    parser.add_argument("--kl-coef", type=float, default=0.01, help="weight of the KL loss (default 0.01)")
+    parser.add_argument("--hidden", type=int, default=128, help="GRU units (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, the sampling and the weights")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=5,
+        metavar="K",
+        help="checkpoint every K steps (0: never; default 5)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=os.path.join("examples", "out", "grpo_checkpoint"),
+        help="default examples/out/grpo_checkpoint",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir"
+    )
+    parser.add_argument(
+        "--kill-worker-at-step",
+        type=int,
+        metavar="K",
+        help="SIGKILL the worker of trainer rank 1 during step K",
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=3, help="rebuild the groups at most this often (default 3)"
+    )
+    parser.add_argument(
+        "--recover-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for workers to come back (default 300)",
+    )
+    parser.add_argument(
+        "--final-window",
+        type=int,
+        default=10,
+        help="the final mean reward averages this many last steps (default 10)",
+    )
+    parser.add_argument(
+        "--min-reward", type=float, default=0.9, help="exit 1 below this final mean reward (default 0.9)"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join("examples", "out", "grpo.png"),
+        help="the PNG (default examples/out/grpo.png)",
+    )
+    args = parser.parse_args(argv)
+    sizes = [args.world_size] + ([args.rollout_world_size] if args.placement == "split" else [])
+    for size in sizes:
+        if size < 1:
+            parser.error("world sizes must be at least 1")
+        if args.prompts_per_step % size:
+            parser.error(
+                f"--prompts-per-step {args.prompts_per_step} must be a multiple of every dp size {sizes}, "
+                "so that each prompt's samples stay on one rank"
+            )
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.kill_worker_at_step is not None and args.kill_worker_at_step < 1:
+        parser.error("--kill-worker-at-step counts steps from 1")
+    return args
+
+
+def _serve_local_cluster(n_workers: int, conn) -> None:
+    with daskwg.local_cluster(n_workers=n_workers, dashboard_address=":0") as cluster:
+        conn.send((cluster.scheduler_address, cluster.dashboard_link))
+        try:
+            conn.recv()  # "stop", or EOFError when the driver is gone
+        except EOFError:
+            pass
+
+
+@contextlib.contextmanager
+def local_cluster_process(n_workers: int, timeout: float = 600.0):
+    """``daskwg.local_cluster(n_workers)`` in a child process; yields its scheduler address.
+
+    The scheduler then lives outside the driver process, as on a real cluster, so the
+    driver's socket counters see only what the driver itself receives (an in-process
+    ``LocalCluster`` would add the scheduler's and nannies' traffic with every worker).
+    """
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=_serve_local_cluster, args=(n_workers, child_conn), name="local-cluster")
+    process.start()
+    try:
+        if not conn.poll(timeout):
+            raise RuntimeError(f"the local cluster did not start within {timeout} s")
+        address, dashboard = conn.recv()
+        print(f"local cluster of {n_workers} workers at {address} (dashboard {dashboard})")
+        yield address
+    finally:
+        try:
+            conn.send("stop")
+        except OSError:
+            pass
+        process.join(60)
+        if process.is_alive():
+            process.terminate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dask.distributed import Client
+
+    n_workers = args.world_size + (args.rollout_world_size if args.placement == "split" else 0)
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        address = args.scheduler or stack.enter_context(local_cluster_process(n_workers))
+        client = stack.enter_context(Client(address))
+        client.wait_for_workers(n_workers, timeout=120)
+        status = fit(client, args)
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

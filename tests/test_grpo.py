@@ -1,0 +1,159 @@
+"""The main job, examples/grpo.py: short runs of both placements, a resume and a killed
+worker, run as a user runs them (the full run to reward 0.9 is ``tox -e demo``).
+
+The colocated run starts its own local cluster, as ``python examples/grpo.py`` does; the
+split and killed-worker runs share a cluster started with the ``dask`` command line and
+attach to it with ``--scheduler``, as on a cluster a user already runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import CLICluster, wait_for_workers
+from distributed import Client
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "grpo.py")
+
+
+def load_example():
+    if "grpo_example" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("grpo_example", EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["grpo_example"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["grpo_example"]
+
+
+def run_example(*args: str, timeout: float = 840) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--min-reward", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    return proc
+
+
+def number(stdout: str, label: str) -> float:
+    match = re.search(rf"{label}: ([0-9.]+)", stdout)
+    assert match, f"no {label!r} in:\n{stdout}"
+    return float(match.group(1))
+
+
+def short_run_args(tmp_path, *extra: str) -> list[str]:
+    return [
+        "--steps",
+        "4",
+        "--final-window",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoint"),
+        "--out",
+        str(tmp_path / "grpo.png"),
+        *extra,
+    ]
+
+
+def test_reward_is_the_fraction_of_answer_tokens_right():
+    grpo = load_example()
+    eos, pad = grpo.EOS, grpo.PAD
+    responses = torch.tensor([[1, 5, eos], [1, eos, pad], [5, eos, pad], [7, 3, 1], [eos, pad, pad]])
+    mask = grpo.response_mask_of(responses)
+    truth = torch.tensor([15, 15, 5, 7, 0])
+    assert mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    scores = grpo.score_responses(responses, mask, truth)
+    # 15: all three of "1 5 <eos>"; "1 <eos>" gets 1 of 3; 5: both of "5 <eos>";
+    # 7: "7 3 1" gets 1 of 3; 0: "<eos>" gets 0 of "0 <eos>".
+    assert scores.tolist() == pytest.approx([1.0, 1 / 3, 1.0, 1 / 3, 0.0])
+
+
+def test_log_probs_of_sampled_responses_match_the_sampling_distribution():
+    grpo = load_example()
+    torch.manual_seed(0)
+    policy = grpo.GRUPolicy(hidden=16)
+    prompts = grpo.make_prompts(32, step=0, seed=0).batch["prompts"]
+    responses, mask = grpo.sample_responses(policy, prompts, torch.Generator().manual_seed(0))
+    # Teacher forcing must score exactly the tokens sampling drew: recompute the
+    # first token's log-prob from the prompt alone.
+    first = torch.log_softmax(policy(prompts)[0][:, -1], dim=-1)
+    first = first.gather(1, responses[:, :1].clamp(max=grpo.ANSWER_TOKENS - 1)).squeeze(1)
+    log_probs = grpo.response_log_probs(policy, prompts, responses)
+    assert torch.allclose(log_probs[:, 0], first, atol=1e-6)
+    assert bool((mask.sum(1) >= 1).all())
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("grpo-colocated")
+    return tmp_path, run_example(*short_run_args(tmp_path))
+
+
+@pytest.mark.timeout(900)
+def test_colocated_run_keeps_responses_off_the_driver(colocated_run):
+    tmp_path, proc = colocated_run
+    assert "actor on 4 ranks, rollout on 4 ranks, 4 Dask workers" in proc.stdout
+    assert "weights identical on all 4 ranks" in proc.stdout
+    assert number(proc.stdout, "driver bytes per step") < number(proc.stdout, "one step's responses")
+    assert 0.0 <= number(proc.stdout, "final mean reward") <= 1.0
+    assert (tmp_path / "grpo.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(900)
+def test_resume_continues_from_the_last_checkpoint(colocated_run):
+    tmp_path, _ = colocated_run
+    proc = run_example(*short_run_args(tmp_path, "--steps", "6", "--resume"))
+    assert "resumed from step 4" in proc.stdout
+    assert "steps: 2 run" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cli_cluster6():
+    cluster = CLICluster(6)
+    try:
+        with Client(cluster.address) as client:
+            wait_for_workers(client, 6, timeout=600)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(900)
+def test_split_placement_reshards_batches_and_syncs_weights_worker_to_worker(tmp_path, cli_cluster6):
+    proc = run_example(*short_run_args(tmp_path, "--placement", "split", "--scheduler", cli_cluster6.address))
+    assert "actor on 4 ranks, rollout on 2 ranks, 6 Dask workers" in proc.stdout
+    # The rollout ranks hold the trainer's weights only if every sync arrived.
+    assert "weights identical on all 6 ranks" in proc.stdout
+    assert number(proc.stdout, "driver bytes per step") < number(proc.stdout, "one step's responses")
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_is_replaced_and_training_resumes_from_the_checkpoint(tmp_path, cli_cluster6):
+    proc = run_example(
+        *short_run_args(
+            tmp_path, "--steps", "5", "--kill-worker-at-step", "4", "--scheduler", cli_cluster6.address
+        )
+    )
+    assert "killing the worker of trainer rank 1" in proc.stdout + proc.stderr
+    assert "groups rebuilt 1 time(s), resumed from step(s) [2]" in proc.stdout
+    assert "steps: 6 run" in proc.stdout  # 1-3, then 3-5 again after the restart from step 2
+    assert "weights identical on all 4 ranks" in proc.stdout
+
+
+def test_prompts_per_step_must_keep_prompt_groups_whole():
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--placement", "split", "--prompts-per-step", "6"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "must be a multiple of every dp size [4, 2]" in proc.stderr
