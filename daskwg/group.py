@@ -145,7 +145,9 @@ class WorkerGroup:
             # Like a Ray actor that dies with its last handle: a group the program drops
             # without shutdown() gives its ranks (and their memory) back.
             self._transports = [self._transport]
-            self._finalizer = weakref.finalize(self, _release_dropped_group, self._transports)
+            self._finalizer = weakref.finalize(
+                self, _release_dropped_group, self._transports, [_METADATA_ROOT, self._name]
+            )
             self._finalizer.atexit = False
 
     def _build_ranks(self) -> None:
@@ -339,7 +341,8 @@ class WorkerGroup:
         addresses = sorted({s.address for s in old_slots} - set(missing))
         self._transport.close()
         if addresses:
-            self._client.restart_workers(workers=addresses)
+            # Whether they are back is checked below, by process id, with its own bound.
+            self._client.restart_workers(workers=addresses, raise_for_error=False)
         self._slots = self._restarted_slots(old_slots)
         self._transport = GroupTransport(self._client, self._slots, self._name, self._group_id, self._owner)
         if getattr(self, "_transports", None) is not None:
@@ -352,7 +355,7 @@ class WorkerGroup:
     def _restarted_slots(self, old_slots: list) -> list:
         """The slots of the restarted workers (same names, new processes), in rank order."""
         driver = self._transport.driver
-        timeout = 60.0
+        timeout = 120.0
         end = time.monotonic() + timeout
         names = [s.name for s in old_slots]
         while True:
@@ -757,10 +760,10 @@ def _spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[st
 _RESERVED = {"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"}
 
 
-def _release_dropped_group(transports: list) -> None:
+def _release_dropped_group(transports: list, metadata_key: list) -> None:
     """The finaliser of a non-detached group garbage-collected without ``shutdown()``."""
     for transport in transports:
-        transport.release_dropped()
+        transport.release_dropped(metadata_key)
 
 
 def _connected_clients(dask_scheduler) -> list[str]:

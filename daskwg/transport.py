@@ -405,7 +405,7 @@ class GroupTransport:
 
     def is_abandoned(self, slot: Any) -> bool:
         entry = self.driver.abandoned.get(slot.server_id)
-        return entry is not None and entry[0] == self.name and not entry[2].done()
+        return entry is not None and not entry[2].done()
 
     def check_scheduler(self) -> None:
         """Mark the group broken once its client lost the scheduler.
@@ -485,7 +485,7 @@ class GroupTransport:
             self.raise_if_lost(ranks)
             self.driver.check_not_stuck(slots, f"{self.name}.{method_name}")
         self.driver.warn_if_abandoned(slots, f"{self.name}.{method_name}")
-        if not blocking or any(lazies):
+        if check and (not blocking or any(lazies)):
             self._wait_for_queue_room(slots, method_name, limit)
         seqs = self.driver.take_seqs([s.server_id for s in slots])
         calls = [
@@ -816,8 +816,9 @@ class GroupTransport:
                 except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                     pass
 
-    def release_dropped(self) -> None:
-        """Destroy the ranks of a group the program dropped without ``shutdown()``.
+    def release_dropped(self, metadata_key: list | None = None) -> None:
+        """Destroy the ranks of a group the program dropped without ``shutdown()``, and
+        forget its scheduler metadata record (``metadata_key``).
 
         Called from a garbage-collection finaliser, which may run in any thread at any
         allocation: it only schedules the work on the client's event loop.
@@ -826,11 +827,16 @@ class GroupTransport:
         if self.client.status != "running":
             return
         try:
-            self.client.loop.add_callback(self._release_async)
+            self.client.loop.add_callback(self._release_async, metadata_key)
         except Exception:  # noqa: BLE001 - the loop may be closing with the interpreter
             pass
 
-    async def _release_async(self) -> None:
+    async def _release_async(self, metadata_key: list | None) -> None:
+        if metadata_key is not None:
+            try:
+                await self.client.scheduler.set_metadata(keys=metadata_key, value=None)
+            except Exception:  # noqa: BLE001 - the scheduler may be gone
+                pass
         ranks = [r for r, s in enumerate(self.slots) if s.server_id not in self.driver.lost]
         if not ranks:
             return
