@@ -730,9 +730,15 @@ class GroupTransport:
                     raise self._futures_timeout_error(futures, method_name, limit, time.monotonic() - t0)
                 wait_s = min(poll, limit.remaining())
             try:
-                dask_wait(pending, timeout=max(wait_s, 0.001), return_when="FIRST_COMPLETED")
+                self._wait_first(pending, max(wait_s, 0.001))
             except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                 pass  # a cancelled future is reported by the next round
+
+    def _wait_first(self, futures: list[Future], timeout: float) -> None:
+        # distributed.wait runs on the *default* client's loop; with several clients in
+        # one process that may not be the one owning these futures.
+        with self.client.as_current():
+            dask_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
 
     def _futures_timeout_error(
         self, futures: list[Future], method_name: str, limit: Limit, waited: float
@@ -812,7 +818,7 @@ class GroupTransport:
                     )
                 self.raise_if_lost([self.slots.index(slot)])
                 try:
-                    dask_wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
+                    self._wait_first(pending, 0.5)
                 except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                     pass
 

@@ -344,7 +344,7 @@ def shrinking_cluster():
         yield cluster, client
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_retiring_a_worker_during_a_blocking_call_raises_worker_lost(shrinking_cluster):
     cluster, client = shrinking_cluster
     wg = WorkerGroup(client, HangWorker)
@@ -360,7 +360,7 @@ def test_retiring_a_worker_during_a_blocking_call_raises_worker_lost(shrinking_c
     _wait_until_ranks_free(wg)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_scaling_down_during_a_non_blocking_call_raises_worker_lost(shrinking_cluster):
     cluster, client = shrinking_cluster
     wg = _group_when_free(client)
