@@ -38,6 +38,13 @@ class HangWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def wait_for_file_async(self, path: str, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while not os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.05)
+        return os.path.exists(path)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, timeout=1.0)
     def sleep_with_timeout(self, seconds: float) -> int:
         time.sleep(seconds)

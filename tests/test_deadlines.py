@@ -460,23 +460,25 @@ def test_a_chained_future_that_cannot_be_built_blames_the_producing_call(hclient
 
 
 @pytest.mark.timeout(150)
-def test_600_queued_non_blocking_calls_do_not_cost_a_thread_each(hclient):
+def test_600_queued_non_blocking_calls_do_not_cost_a_thread_each(hclient, tmp_path):
     with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
         before = max(wg.threads())
-        blocker = wg.sleep_async(8)
+        go = str(tmp_path / "go")
+        blocker = wg.wait_for_file_async(go, 90)
         futures = [wg.add(i) for i in range(600)]
-        end = time.monotonic() + 8
+        end = time.monotonic() + 60
         queued = during = 0
-        while queued < 300 and time.monotonic() < end:
+        while queued < 600 and time.monotonic() < end:
             queued = max(queued, *(r["queued"] for r in wg.status()))
             during = max(during, *hclient.run(threading.active_count).values())
+        open(go, "w").close()
         print(
             f"\n[resources] 600 queued calls: up to {queued} queued on a rank, threads {before} -> {during}"
         )
         assert during < before + 20
         results = wg._gather([f for pair in futures for f in pair], "add")
         assert results == [i + r for i in range(600) for r in (0, 1)]
-        wg._gather(blocker, "sleep_async")
+        assert wg._gather(blocker, "wait_for_file_async") == [True, True]
         # The queue is bounded: past daskwg.max-queued-calls a call waits for a place.
         with dask_config({"daskwg.max-queued-calls": 5}):
             held = [wg.sleep_async(0.5) for _ in range(5)]
