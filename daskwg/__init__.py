@@ -9,6 +9,7 @@ the method runs on every rank (execute) and the results are merged (collect).
 from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
 from .cluster import local_cluster
 from .colocate import create_colocated_worker_cls
+from .deadlines import deadline
 from .decorator import (
     Dispatch,
     Execute,
@@ -18,6 +19,7 @@ from .decorator import (
     update_dispatch_mode,
 )
 from .errors import (
+    CallTimeoutError,
     ConcatError,
     ConflictError,
     DispatchError,
@@ -38,6 +40,7 @@ from .worker import ClassWithInitArgs, DistGlobalInfo, DistRankInfo, Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallTimeoutError",
     "ClassWithInitArgs",
     "ConcatError",
     "ConflictError",
@@ -61,6 +64,7 @@ __all__ = [
     "WorkerPausedError",
     "WorldSizeError",
     "create_colocated_worker_cls",
+    "deadline",
     "local_cluster",
     "make_nd_compute_dataproto_dispatch_fn",
     "pad_dataproto_to_divisor",

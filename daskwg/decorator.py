@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from .deadlines import check_seconds
 from .errors import ConcatError, DispatchError
 
 __all__ = [
@@ -830,6 +831,7 @@ class RegisteredMethod:
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
+    timeout: float | None = None
 
 
 def get_registered_method(func: Any) -> RegisteredMethod | None:
@@ -857,6 +859,7 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
+    timeout: float | None = None,
 ) -> Callable[[_F], _F]:
     """Mark a Worker method to be bound on worker groups (verl's ``register``).
 
@@ -868,6 +871,10 @@ def register(
             futures (a ``DataProtoFuture`` for the ``DP_COMPUTE_PROTO`` family).
         materialize_futures: when the method runs, ``DataProtoFuture`` arguments are replaced
             by the data they stand for (``.get()``).
+        timeout: seconds a blocking group call of this method may wait for its ranks
+            before it raises :class:`daskwg.CallTimeoutError`; an enclosing
+            ``daskwg.deadline`` block takes precedence; ``None``: that block, else
+            ``daskwg.call-timeout``. Not in verl (its calls have no deadline).
 
     The decorated method stays an ordinary method: calling it on an instance runs it in
     this process (after materialising futures); ``async def`` methods stay coroutine
@@ -877,7 +884,7 @@ def register(
         TypeError: an argument has the wrong type (including ``@register`` written without
             parentheses), or a dict mode holds a non-callable.
         ValueError: a dict mode lacks ``dispatch_fn`` or ``collect_fn``; decorating a function
-            that is already registered.
+            that is already registered; ``timeout`` is not a positive number.
     """
     if callable(dispatch_mode) and not isinstance(dispatch_mode, (Dispatch, Mapping)):
         raise TypeError("register takes arguments: write @register() or @register(dispatch_mode=...)")
@@ -892,6 +899,7 @@ def register(
         execute_mode=execute_mode,
         blocking=blocking,
         materialize_futures=materialize_futures,
+        timeout=check_seconds(timeout, "timeout"),
     )
 
     def decorator(func: _F) -> _F:

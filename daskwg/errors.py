@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "WorkerGroupError",
     "DispatchError",
@@ -13,6 +15,7 @@ __all__ = [
     "ConcatError",
     "MetaInfoConflictError",
     "WorkerPausedError",
+    "CallTimeoutError",
 ]
 
 
@@ -41,26 +44,74 @@ class RankError(WorkerGroupError):
         address: the Dask worker address hosting that rank (``str``).
         method: the method name (``str``).
         remote_traceback: the traceback formatted on the worker (``str``).
-        exception: the original exception object, when it could be deserialised.
+        exception: the original exception object, when it could be rebuilt here
+            (``None`` when its class exists only on the worker, or it does not pickle).
+        exception_type: the original exception's class, ``"module.QualName"`` (``str``),
+            kept even when the class cannot be rebuilt in the driver.
+        message: ``str()`` of the original exception, taken on the worker (``str``).
+
+    A ``RankError`` always crosses processes: its exception travels as pickled bytes
+    beside its type name and message, and an exception that cannot be rebuilt where it
+    arrives leaves ``exception=None`` with the name and message intact.
     """
 
-    def __init__(self, rank: int, address: str, method: str, remote_traceback: str, exception=None):
+    def __init__(
+        self,
+        rank: int,
+        address: str,
+        method: str,
+        remote_traceback: str,
+        exception=None,
+        exception_type: str | None = None,
+        message: str | None = None,
+    ):
         self.rank = rank
         self.address = address
         self.method = method
         self.remote_traceback = remote_traceback
         self.exception = exception
+        if exception is not None:
+            cls = type(exception)
+            exception_type = exception_type or (
+                cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+            )
+            message = _safe_str(exception) if message is None else message
+        self.exception_type = exception_type or ""
+        self.message = message or ""
         super().__init__(rank, address, method, remote_traceback, exception)
 
     def __str__(self) -> str:
-        what = f"{type(self.exception).__name__}: {self.exception}" if self.exception is not None else ""
+        what = f"{self.exception_type.rsplit('.', 1)[-1]}: {self.message}" if self.exception_type else ""
         return (
             f"rank {self.rank} ({self.address}) raised in {self.method!r}: {what}\n"
             f"--- remote traceback ---\n{self.remote_traceback}"
         )
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.address, self.method, self.remote_traceback, self.exception))
+        try:
+            blob = pickle.dumps(self.exception)
+        except Exception:  # noqa: BLE001 - e.g. an argument that holds a lock
+            blob = None
+        state = (self.rank, self.address, self.method, self.remote_traceback, blob)
+        return (_rebuild_rank_error, (type(self), state, self.exception_type, self.message))
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 - a user __str__ that raises
+        return f"<str() of this {type(exc).__name__} raised {type(inner).__name__}: {inner}>"
+
+
+def _rebuild_rank_error(cls, state: tuple, exception_type: str, message: str) -> RankError:
+    rank, address, method, remote_traceback, blob = state
+    exception = None
+    if blob is not None:
+        try:
+            exception = pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - the class exists only on the worker
+            exception = None
+    return cls(rank, address, method, remote_traceback, exception, exception_type, message)
 
 
 class WorkerLostError(WorkerGroupError):
@@ -244,3 +295,38 @@ class WorkerPausedError(WorkerGroupError):
                 self.paused_for,
             ),
         )
+
+
+class CallTimeoutError(WorkerGroupError, TimeoutError):
+    """A group call (or a wait on its futures) passed its deadline.
+
+    The deadline comes from ``@register(..., timeout=s)``, an enclosing
+    ``with daskwg.deadline(s):`` or the Dask setting ``daskwg.call-timeout``. The
+    ranks keep running the call (Python cannot stop a thread); ``wg.status()`` shows
+    them and ``wg.restart()`` replaces their processes.
+
+    Attributes:
+        method: the method called (``str``).
+        timeout: the deadline that expired, in seconds (``float``).
+        ranks: ``{rank: "done" | "running" | "queued" | "unresponsive" | "lost"}``,
+            taken on the workers when the deadline expired ("unresponsive": its worker
+            did not answer within ``daskwg.status-timeout``, e.g. a stopped process).
+        stacks: ``{rank: text}``: the Python stack of each running rank's thread.
+    """
+
+    def __init__(
+        self, method: str, timeout: float, ranks: dict, stacks: dict | None = None, message: str = ""
+    ):
+        self.method = method
+        self.timeout = timeout
+        self.ranks = dict(ranks)
+        self.stacks = dict(stacks or {})
+        self.message = message
+        # One argument: OSError (TimeoutError's base) would read two as errno, strerror.
+        super().__init__(message or method)
+
+    def __str__(self) -> str:
+        return self.message or f"{self.method!r} passed its deadline of {self.timeout} s: {self.ranks}"
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.timeout, self.ranks, self.stacks, self.message))

@@ -15,7 +15,9 @@ import functools
 import inspect
 import logging
 import pickle
+import time
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +27,7 @@ from distributed import Client, Future, fire_and_forget
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from .colocate import ColocatedWorker, role_classes_of
+from .deadlines import deadline
 from .decorator import (
     PADDING_SIZE_KEY,
     Execute,
@@ -32,7 +35,7 @@ from .decorator import (
     get_predefined_dispatch_fn,
     get_registered_method,
 )
-from .errors import DispatchError, GroupBrokenError, WorkerGroupError
+from .errors import CallTimeoutError, DispatchError, GroupBrokenError, WorkerGroupError, WorldSizeError
 from .futures import DataProtoFuture
 from .plugin import RANK_ENV_KEYS
 from .pool import ResourcePool
@@ -125,6 +128,9 @@ class WorkerGroup:
 
         self._client = client
         self._cls = cls_with_init.cls
+        self._cls_with_init = cls_with_init
+        self._worker_env = env
+        self._requested_port = master_port
         self._role_classes = role_classes_of(cls_with_init)
         self._group_id = uuid.uuid4().hex
         self._name = name or f"{self._cls.__name__}-{self._group_id[:8]}"
@@ -137,15 +143,28 @@ class WorkerGroup:
         self._methods = self._bind_registered_methods()
         self._transport = GroupTransport(client, self._slots, self._name, self._group_id, self._owner)
         self._check_name_free()
+        self._build_ranks()
+        self._publish()
+        self._finalizer = None
+        if not detached:
+            # Like a Ray actor that dies with its last handle: a group the program drops
+            # without shutdown() gives its ranks (and their memory) back.
+            self._transports = [self._transport]
+            self._finalizer = weakref.finalize(
+                self, _release_dropped_group, self._transports, [_METADATA_ROOT, self._name]
+            )
+            self._finalizer.atexit = False
 
+    def _build_ranks(self) -> None:
+        """Reserve ``MASTER_PORT`` and instantiate the class on every rank (all or none)."""
         self._master_addr = self._slots[0].host
-        self._master_port = self._reserve_port(master_port)
+        self._master_port = self._reserve_port(self._requested_port)
         hosts = [s.host for s in self._slots]
         envs = []
         for rank, host in enumerate(hosts):
             envs.append(
                 {
-                    **env,
+                    **self._worker_env,
                     "RANK": str(rank),
                     "WORLD_SIZE": str(self.world_size),
                     "LOCAL_RANK": str(hosts[:rank].count(host)),
@@ -160,7 +179,13 @@ class WorkerGroup:
             "check_process_group": bool(dask.config.get("daskwg.check-process-group")),
         }
         payloads = [
-            {"cls": cls_with_init, "env": e, "detached": detached, "world_size": self.world_size, **options}
+            {
+                "cls": self._cls_with_init,
+                "env": e,
+                "detached": self._detached,
+                "world_size": self.world_size,
+                **options,
+            }
             for e in envs
         ]
         ranks = list(range(self.world_size))
@@ -178,7 +203,6 @@ class WorkerGroup:
             self._transport.close()
             self._closed = True
             raise
-        self._publish()
 
     # ---- public API ------------------------------------------------------------------
 
@@ -278,18 +302,115 @@ class WorkerGroup:
         for role, role_group in role_groups.items():
             setattr(self, role, role_group)
 
+    def status(self) -> list[dict]:
+        """What every rank is doing now, read from its worker (forensics on demand).
+
+        Returns:
+            one dict per rank, in rank order: ``rank``, ``address``, ``state``
+            (``"running"``, ``"queued"``, ``"idle"``, ``"unresponsive"``: the worker did
+            not answer within ``daskwg.status-timeout`` seconds, e.g. a stopped
+            process; ``"lost"``: the worker or the rank is gone), ``method`` (the running
+            or first queued call), ``seconds`` (since it started or was queued),
+            ``stack`` (the Python stack of the rank's thread while running), plus
+            ``last_error`` (the rank's last failure there) and ``queued`` (how many of
+            its calls wait). A running rank's stack shows where it is stuck, e.g. in
+            ``all_reduce``. Takes at most about ``daskwg.status-timeout`` seconds.
+            Calls the driver abandoned (a deadline, Ctrl-C) show here while they run.
+        """
+        return self._transport.status()
+
+    def restart(self) -> None:
+        """Replace every rank's process and rebuild the ranks; the group stays valid.
+
+        The hosting Dask workers restart through their Nannies
+        (``client.restart_workers``), then the class is instantiated again on every
+        rank from the same ``ClassWithInitArgs`` and ``worker_env``, with a fresh
+        ``MASTER_PORT`` (the one passed as ``master_port=``, if any). Returns when the
+        ranks are ready. The way out of a rank stuck for good (a frozen process, a
+        collective that never returns, a call abandoned by a deadline or Ctrl-C).
+        Everything else on those workers is lost: other groups with ranks there raise
+        ``WorkerLostError``, as with any restart.
+
+        Raises:
+            WorkerGroupError: a worker has no Nanny (``processes=False``,
+                ``dask worker --no-nanny``), the group was attached rather than built
+                here, or a worker did not come back.
+            GroupBrokenError: the group was shut down.
+            RankError: ``__init__`` raised on a rank (the group is then shut down).
+        """
+        if self._closed:
+            raise GroupBrokenError(f"group {self._name!r} was shut down; build a new one")
+        if not hasattr(self, "_cls_with_init"):
+            raise WorkerGroupError(
+                f"group {self._name!r} was attached, not built by this driver: its init arguments are not "
+                "known here; restart it from the driver that built it"
+            )
+        old_slots = self._slots
+        info = self._client.scheduler_info(n_workers=-1)["workers"]
+        missing = [s.address for s in old_slots if s.address not in info]
+        no_nanny = [s.address for s in old_slots if s.address in info and not info[s.address].get("nanny")]
+        if no_nanny:
+            raise WorkerGroupError(
+                f"cannot restart group {self._name!r}: worker(s) {no_nanny} have no Nanny to restart them "
+                "(processes=False, or dask worker --no-nanny); restart those workers yourself and build a new group"
+            )
+        addresses = sorted({s.address for s in old_slots} - set(missing))
+        self._transport.close()
+        if addresses:
+            # Whether they are back is checked below, by process id, with its own bound.
+            self._client.restart_workers(workers=addresses, raise_for_error=False)
+        self._slots = self._restarted_slots(old_slots)
+        self._transport = GroupTransport(self._client, self._slots, self._name, self._group_id, self._owner)
+        if getattr(self, "_transports", None) is not None:
+            self._transports[:] = [self._transport]
+        self._dispatch_info.clear()
+        self._collect_info.clear()
+        self._build_ranks()
+        self._publish()
+
+    def _restarted_slots(self, old_slots: list) -> list:
+        """The slots of the restarted workers (same names, new processes), in rank order."""
+        driver = self._transport.driver
+        timeout = 120.0
+        end = time.monotonic() + timeout
+        names = [s.name for s in old_slots]
+        while True:
+            # The scheduler's remove-worker events must be in before the new processes
+            # are watched, or a late one would mark the new process lost.
+            events_in = all(s.server_id in driver.lost for s in old_slots)
+            try:
+                by_name = {s.name: s for s in ResourcePool(self._client, workers=names).slots}
+            except (ValueError, WorldSizeError):
+                by_name = {}
+            fresh = [by_name.get(s.name) for s in old_slots]
+            if events_in and all(
+                f is not None and f.server_id != o.server_id for f, o in zip(fresh, old_slots)
+            ):
+                return fresh
+            if time.monotonic() > end:
+                raise WorkerGroupError(
+                    f"the workers of group {self._name!r} did not come back within {timeout:g} s of their "
+                    f"restart ({names}); the group is unusable: shut it down"
+                )
+            time.sleep(0.1)
+
     def shutdown(self) -> None:
         """Destroy the rank objects on every worker and forget the group. Idempotent.
 
-        Works on a broken group too (surviving ranks are destroyed). Later calls
-        raise :class:`GroupBrokenError`.
+        Works on a broken group too (surviving ranks are destroyed). Returns within
+        about ``daskwg.shutdown-timeout`` seconds (10 s) even when a rank is stuck: a
+        rank still busy then (a call that never returns, a frozen process) destroys its
+        object when that call ends. Later calls raise :class:`GroupBrokenError`.
         """
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
         self._transport.close()
-        if self._client.status not in ("running", "connecting"):
-            # The workers released this driver's ranks when its client left.
+        if self._client.status != "running":
+            # The workers released this driver's ranks when its client left (or, with
+            # the scheduler gone, closed themselves).
             return
         self._destroy_ranks()
         try:
@@ -354,6 +475,7 @@ class WorkerGroup:
         self._owner = record["owner"]
         self._detached = True
         self._closed = False
+        self._finalizer = None
         self._dispatch_info = {}
         self._collect_info = {}
         self._master_addr, self._master_port = record["master_addr"], record["master_port"]
@@ -422,7 +544,13 @@ class WorkerGroup:
         # that call returns; waiting for it here could take until a collective's timeout.
         # So does every rank of a broken group: one may still be running the call
         # that broke it (the other ranks of a lost worker's call, say).
-        stuck = [r for r in alive if self._broken is not None or self._transport.is_stuck(self._slots[r])]
+        stuck = [
+            r
+            for r in alive
+            if self._broken is not None
+            or self._transport.is_stuck(self._slots[r])
+            or self._transport.is_abandoned(self._slots[r])
+        ]
         alive = [r for r in alive if r not in stuck]
         try:
             if stuck:
@@ -436,7 +564,17 @@ class WorkerGroup:
                     self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False)
                 )
             if alive:
-                self._send("__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0)
+                with deadline(float(dask.config.get("daskwg.shutdown-timeout"))):
+                    self._send(
+                        "__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0
+                    )
+        except CallTimeoutError as exc:
+            logger.warning(
+                "group %s: shutdown did not wait for every rank; busy ranks destroy their objects when their "
+                "calls end: %s",
+                self._name,
+                exc,
+            )
         except WorkerGroupError as exc:
             logger.warning("group %s: could not destroy every rank: %s", self._name, exc)
         except Exception as exc:  # noqa: BLE001 - shutting down must not raise on a dying cluster
@@ -463,7 +601,13 @@ class WorkerGroup:
         rank_zero_only = registered.execute_mode == Execute.RANK_ZERO
         ranks = [0] if rank_zero_only else list(range(self.world_size))
         payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
-        outputs = self._send(method_name, ranks, payloads, blocking=registered.blocking)
+        outputs = self._send(
+            method_name,
+            ranks,
+            payloads,
+            blocking=registered.blocking,
+            timeout=getattr(registered, "timeout", None),
+        )
         # The group lets go of the parts, so concatenation can free each one as it goes;
         # the method name and ranks let a collect error say whose outputs it was merging.
         outputs = RankOutputs(outputs, method=method_name, ranks=ranks)
@@ -523,6 +667,7 @@ class WorkerGroup:
         raw_payload: bool = False,
         check: bool = True,
         settle: float | None = None,
+        timeout: float | None = None,
     ) -> list:
         """Send one call to each of ``ranks`` (:meth:`GroupTransport.send`), after
         checking that the group is usable and has the method."""
@@ -541,6 +686,7 @@ class WorkerGroup:
             raw_payload=raw_payload,
             check=check,
             settle=settle,
+            timeout=timeout,
         )
 
     def _gather(self, futures: list[Future], method_name: str) -> list:
@@ -626,6 +772,12 @@ def _spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[st
 
 
 _RESERVED = {"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"}
+
+
+def _release_dropped_group(transports: list, metadata_key: list) -> None:
+    """The finaliser of a non-detached group garbage-collected without ``shutdown()``."""
+    for transport in transports:
+        transport.release_dropped(metadata_key)
 
 
 def _connected_clients(dask_scheduler) -> list[str]:

@@ -52,10 +52,11 @@ import dask.config
 import numpy as np
 import torch
 import torch.distributed as dist
-from distributed import get_worker, secede
+from distributed import get_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
+from distributed.worker_state_machine import SecedeEvent
 
 from . import serialization  # also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
@@ -109,6 +110,8 @@ class LazyArg:
 
     index: int
     transform: Callable[[list], Any]
+    #: the producing call, e.g. ``"gen.generate (ranks 0-3)"``: blamed if building fails.
+    source: str = ""
 
 
 class _RankLoop:
@@ -434,14 +437,17 @@ class HostPlugin(WorkerPlugin):
         cfut = self.enqueue(call, args)
         try:
             result = await asyncio.wrap_future(cfut)
+        except asyncio.CancelledError:
+            # This worker is closing (retired, restarted, scaled down, lost its
+            # scheduler): the driver sees the connection close and reports the
+            # worker lost, never a bare CancelledError.
+            raise
         except BaseException as exc:  # noqa: BLE001
             return {"status": "error", "exception": to_serialize(_picklable_error(exc))}
         try:
             packed = serialization.pack(result)
         except Exception as exc:  # noqa: BLE001 - _check_picklable lets some through
-            error = RankError(
-                call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
-            )
+            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), exc)
             return {"status": "error", "exception": to_serialize(error)}
         return {"status": "OK", "result": packed}
 
@@ -605,14 +611,16 @@ class HostPlugin(WorkerPlugin):
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
             raise
         except BaseException as exc:  # noqa: BLE001
-            self._last_error[(call.group_id, call.rank)] = f"{call.method}: {type(exc).__name__}: {exc}"
+            self._last_error[(call.group_id, call.rank)] = (
+                f"{call.method}: {type(exc).__name__}: {_safe_str(exc)}"
+            )
             hint = _runtime_hint(exc)
             raise RankError(
                 call.rank,
                 self.address,
                 call.method,
                 traceback.format_exc(),
-                _with_message(exc, hint) if hint else _picklable_exception(exc),
+                _with_message(exc, hint) if hint else exc,
             ) from None
         finally:
             self._running = None
@@ -715,8 +723,7 @@ class HostPlugin(WorkerPlugin):
         hosted = self._lookup(call)
         args, kwargs = payload
         if lazy_values is not None:
-            args = tuple(_resolve(a, lazy_values) for a in args)
-            kwargs = {k: _resolve(v, lazy_values) for k, v in kwargs.items()}
+            args, kwargs = self._resolve_inputs(call, args, kwargs, lazy_values)
         self._check_process_group(call, hosted.world_size, hosted.check_process_group)
         self._apply_env(hosted.env)
         _rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
@@ -777,6 +784,30 @@ class HostPlugin(WorkerPlugin):
             self._pg_owner = None
         elif self._pg_owner is None:
             self._pg_owner = _ProcessGroupOwner(call.group_id, call.group_name, call.rank, world_size)
+
+    def _resolve_inputs(self, call: Call, args: tuple, kwargs: dict, lazy_values: list) -> tuple:
+        """Build ``DataProtoFuture`` arguments from their parts; a failure here (parts
+        that do not concatenate, say) is the producing call's, and is blamed on it."""
+        current = None
+        try:
+            resolved_args = []
+            for a in args:
+                current = a
+                resolved_args.append(_resolve(a, lazy_values))
+            resolved_kwargs = {}
+            for k, v in kwargs.items():
+                current = v
+                resolved_kwargs[k] = _resolve(v, lazy_values)
+        except Exception as exc:  # noqa: BLE001
+            source = getattr(current, "source", "") or "an earlier call"
+            raise RankError(
+                call.rank,
+                self.address,
+                f"{source}, whose output could not be built as the input of {call.method!r}",
+                traceback.format_exc(),
+                exc,
+            ) from None
+        return tuple(resolved_args), resolved_kwargs
 
     def _reserve_port(self, port: int | None) -> int:
         host = get_address_host(self.address)
@@ -846,11 +877,34 @@ def _check_picklable(result: Any, call: Call) -> None:
         ) from None
 
 
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 - a user __str__ that raises
+        return f"<str() raised {type(inner).__name__}>"
+
+
+def _shippable(exc: RankError) -> RankError:
+    """``exc`` without the chained exceptions Python attached to it.
+
+    Once Dask formatted a task's error in this process, tblib pickles every instance
+    of that exception class with its ``__context__``/``__cause__`` (the user's original
+    exception, which the driver may not be able to import): drop them, the RankError
+    carries what the driver needs (type name, message, traceback text).
+    """
+    exc.__cause__ = None
+    exc.__context__ = None
+    exc.__suppress_context__ = True
+    return exc
+
+
 def _picklable_exception(exc: BaseException) -> BaseException | None:
+    if isinstance(exc, RankError):
+        return _shippable(exc)  # it carries its exception as bytes plus type name and message
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+        return RuntimeError(f"{type(exc).__name__}: {_safe_str(exc)}")
     return exc
 
 
@@ -911,16 +965,31 @@ def _picklable_error(exc: BaseException) -> BaseException:
     return _picklable_exception(exc) or RuntimeError(repr(exc))
 
 
-def run_call(call: Call, payload: Any, lazy_values: list | None = None) -> Any:
+async def run_call(call: Call, payload: Any, lazy_values: list | None = None, task_key: Any = None) -> Any:
     """The task function of the Dask-task path: run ``call`` on this worker's host.
 
     ``lazy_values`` are the materialised parts of ``DataProtoFuture`` arguments (Dask
-    resolved them before the task started). The task secedes from Dask's thread pool
-    while it waits for its turn, so a call that waits for an earlier one never holds
-    the worker's only thread.
+    resolved them before the task started). An ``async def`` task runs on the worker's
+    event loop, so a call waiting for its turn holds no thread; it leaves Dask's
+    count of executing tasks at once (as ``distributed.secede`` does for threads), so
+    later calls, which Dask may start first, can take their places in the order.
     """
-    host = get_worker().plugins.get(PLUGIN_NAME)
+    worker = get_worker()
+    host = worker.plugins.get(PLUGIN_NAME)
     if host is None:
         raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
-    secede()
-    return host.enqueue(call, payload, lazy_values).result()
+    if task_key is not None:
+        _leave_executing(worker, task_key)
+    try:
+        return await asyncio.wrap_future(host.enqueue(call, payload, lazy_values))
+    except RankError as exc:
+        raise _shippable(exc) from None
+
+
+def _leave_executing(worker: Any, key: Any) -> None:
+    # What distributed.secede tells the worker's state machine, for a task running on
+    # the event loop (secede itself needs a thread of the worker's pool).
+    worker.loop.add_callback(
+        worker.handle_stimulus,
+        SecedeEvent(key=key, compute_duration=0.0, stimulus_id=f"daskwg-secede-{time.time()}"),
+    )

@@ -46,9 +46,11 @@ from distributed.core import ConnectionPool
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from . import serialization  # also installs the tensor serializer in the driver
+from . import forensics, serialization  # serialization also installs the tensor serializer
 from .dashboard import DashboardPlugin
+from .deadlines import Limit, current_limit
 from .errors import (
+    CallTimeoutError,
     DispatchError,
     GroupBrokenError,
     RankError,
@@ -96,6 +98,10 @@ class Driver:
         self.lost: dict[str, str] = {}
         self.paused: dict[str, float] = {}
         self.stuck: dict[str, tuple[str, str, Any]] = {}
+        # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run:
+        # server_id -> (group name, method, done-watch, since, why). Later calls to that
+        # worker queue behind them, and say so.
+        self.abandoned: dict[str, tuple[str, str, Any, float, str]] = {}
         self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
         # Per task-path future: (when it was submitted, rank, method), so that a call
         # waiting on a paused worker is given up after daskwg.paused-timeout.
@@ -284,6 +290,31 @@ class Driver:
         """Why the worker at ``address`` went away, if the nanny or scheduler said so."""
         return self._memory_kill_reason(address) or self.lost.get(server_id)
 
+    def warn_if_abandoned(self, slots: Sequence[Any], what: str) -> None:
+        """Log, once per call, that ``what`` queues behind a call the driver abandoned.
+
+        Calls run one at a time on a worker, so the new call waits until the abandoned
+        one ends (its deadline, if any, still applies): it must not wait silently.
+        """
+        for slot in slots:
+            entry = self.abandoned.get(slot.server_id)
+            if entry is None:
+                continue
+            group_name, method, watch, since, why = entry
+            if watch.done():
+                self.abandoned.pop(slot.server_id, None)
+                continue
+            logger.warning(
+                "%s waits on %s behind %r of group %r, abandoned %.1f s ago (%s) and still running; "
+                "wg.status() shows where it is, wg.restart() replaces the process",
+                what,
+                slot.address,
+                method,
+                group_name,
+                time.monotonic() - since,
+                why,
+            )
+
     def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to queue work behind a rank stuck in a call of a broken group.
 
@@ -361,7 +392,7 @@ class CallWatch:
         try:
             while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
                 await asyncio.sleep(interval)
-                interval = min(interval * 1.5, 2.0)  # a stuck collective may take minutes
+                interval = min(interval * 1.5, 1.0)  # a stuck collective may take minutes
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
             pass
         self._event.set()
@@ -436,6 +467,11 @@ class GroupTransport:
         it are stuck (typically in a collective waiting for the failed rank), so the
         group is broken.
         """
+        if self.broken is None and self.client.status == "connecting":
+            try:
+                self.check_scheduler()
+            except GroupBrokenError:
+                return
         if self.unsettled is None or self.broken is not None:
             return
         deadline, method, failed_rank, pending = self.unsettled
@@ -457,6 +493,48 @@ class GroupTransport:
         for rank, p in stuck:
             self.driver.stuck[self.slots[rank].server_id] = (self.name, method, p)
         return stuck
+
+    def abandon(self, method: str, pending: list, why: str) -> None:
+        """Record ``(rank, done-watch)`` pairs of a call the driver stopped waiting for
+        (``why``: "deadline", "interrupted"), so later calls behind it say what they wait
+        for (:meth:`Driver.warn_if_abandoned`) and shutdown does not wait on them."""
+        now = time.monotonic()
+        for rank, watch in pending:
+            self.driver.abandoned[self.slots[rank].server_id] = (self.name, method, watch, now, why)
+
+    def _abandon_calls(self, calls: list[Call], why: str) -> None:
+        # Which ranks had finished is unknown here (the wait was interrupted): each
+        # rank's worker says so through its progress counter.
+        try:
+            self.abandon(
+                calls[0].method,
+                [(c.rank, CallWatch(self.driver, self.slots[c.rank].address, c.seq)) for c in calls],
+                why,
+            )
+        except Exception:  # noqa: BLE001 - the interrupt itself must surface
+            pass
+
+    def is_abandoned(self, slot: Any) -> bool:
+        entry = self.driver.abandoned.get(slot.server_id)
+        return entry is not None and not entry[2].done()
+
+    def check_scheduler(self) -> None:
+        """Mark the group broken once its client lost the scheduler.
+
+        Dask workers close when their scheduler goes away (their Nannies restart them),
+        so the ranks are gone even if the scheduler comes back; without this check an
+        idle group would look healthy and its next call would wait for a connect timeout.
+        """
+        if self.client.status == "running":
+            return
+        if self.broken is not None:
+            raise self.broken
+        self.broken = GroupBrokenError(
+            f"group {self.name!r} is broken: its client lost the scheduler at {self.client.scheduler.address} "
+            f"(client status {self.client.status!r}); Dask workers close without a scheduler, so the ranks are "
+            "gone: reconnect and build a new group"
+        )
+        raise self.broken
 
     def is_stuck(self, slot: Any) -> bool:
         entry = self.driver.stuck.get(slot.server_id)
@@ -486,6 +564,7 @@ class GroupTransport:
         raw_payload: bool = False,
         check: bool = True,
         settle: float | None = None,
+        timeout: float | None = None,
     ) -> list:
         """Send one call to each of ``ranks``; values if blocking, else Dask futures.
 
@@ -499,8 +578,11 @@ class GroupTransport:
             check: refuse at once when a rank's worker is lost or stuck (off for shutdown).
             settle: seconds the other ranks get after one raised (default
                 ``daskwg.rank-failure-grace``).
+            timeout: the method's ``@register(timeout=...)``; the wait's deadline is
+                :func:`daskwg.deadlines.current_limit` of it.
         Raises:
             RankError, WorkerLostError, GroupBrokenError: as the call fails.
+            CallTimeoutError: a blocking call passed its deadline.
         """
         lazies: list[list[list]] = [[] for _ in ranks]
         if not raw_payload:
@@ -513,11 +595,16 @@ class GroupTransport:
         if not direct:
             packed = payloads
         slots = [self.slots[r] for r in ranks]
+        limit = current_limit(timeout)
         if check:
             # A lost worker fails at once (no connection attempt, no task that never
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
+            self.check_scheduler()
             self.raise_if_lost(ranks)
             self.driver.check_not_stuck(slots, f"{self.name}.{method_name}")
+        self.driver.warn_if_abandoned(slots, f"{self.name}.{method_name}")
+        if check and (not blocking or any(lazies)):
+            self._wait_for_queue_room(slots, method_name, limit)
         seqs = self.driver.take_seqs([s.server_id for s in slots])
         calls = [
             Call(
@@ -535,16 +622,28 @@ class GroupTransport:
         grace = float(dask.config.get("daskwg.rank-failure-grace")) if settle is None else settle
         if direct:
             channel = self.driver.channel()
-            if channel is None:
-                return self.client.sync(self._send_direct, self.client.rpc, calls, packed, grace, False)
-            return channel.run(self._send_direct(channel.pool, calls, packed, grace, True))
+            try:
+                if channel is None:
+                    return self.client.sync(
+                        self._send_direct, self.client.rpc, calls, packed, grace, False, limit
+                    )
+                return channel.run(self._send_direct(channel.pool, calls, packed, grace, True, limit))
+            except (KeyboardInterrupt, asyncio.CancelledError):
+                self._abandon_calls(calls, "interrupted")
+                raise
         futures = self._submit(calls, payloads, lazies)
         if blocking:
-            return self.gather(futures, method_name, grace)
+            return self.gather(futures, method_name, grace, limit=limit)
         return futures
 
     async def _send_direct(
-        self, pool: Any, calls: list[Call], payloads: list, grace: float, private: bool
+        self,
+        pool: Any,
+        calls: list[Call],
+        payloads: list,
+        grace: float,
+        private: bool,
+        limit: Limit | None = None,
     ) -> list:
         """Send ``calls`` straight to the hosting workers' ``daskwg_call`` handler and wait.
 
@@ -578,14 +677,19 @@ class GroupTransport:
                     pass
                 raise _transfer_error(call.rank, address, call.method, exc) from None
             if response.get("status") != "OK":
-                raise response["exception"]
+                raise self._response_error(call, response["exception"])
             try:
                 return serialization.unpack(response["result"])
             except _TRANSFER_ERRORS as exc:
                 raise _transfer_error(call.rank, address, call.method, exc) from None
 
+        t0 = time.monotonic()
         tasks = [asyncio.ensure_future(one(c, p)) for c, p in zip(calls, payloads)]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(
+            tasks,
+            timeout=None if limit is None else max(limit.remaining(), 0.0),
+            return_when=asyncio.FIRST_EXCEPTION,
+        )
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             first = failed[0]
@@ -608,6 +712,17 @@ class GroupTransport:
             elif pending and isinstance(exc, WorkerLostError):
                 self.mark_stuck(calls[0].method, pending)
             raise exc
+        if not all(t.done() for t in tasks):
+            pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
+            for _, t in pending_calls:
+                t.add_done_callback(_consume_exception)
+            watches = [
+                (c.rank, CallWatch(self.driver, self.slots[c.rank].address, c.seq) if private else t)
+                for c, t in pending_calls
+            ]
+            self.abandon(calls[0].method, watches, "deadline")
+            done = {c.rank for c, t in zip(calls, tasks) if t.done()}
+            raise await self._timeout_error(pool, calls, done, limit, time.monotonic() - t0)
         return [t.result() for t in tasks]
 
     async def _lost_reason(self, address: str, server_id: str, fallback: str) -> str:
@@ -619,6 +734,20 @@ class GroupTransport:
             if reason or time.monotonic() >= deadline:
                 return reason or fallback
             await asyncio.sleep(0.05)
+
+    def _response_error(self, call: Call, exc: BaseException) -> BaseException:
+        """The error a failed direct call raises in the driver: never a bare
+        ``CancelledError`` (a ``BaseException`` that ``except Exception`` misses)."""
+        if isinstance(exc, Exception):
+            return exc
+        # The worker cancelled its handler: it is closing (retired, restarted, scaled
+        # down, or its scheduler went away) while the call ran or waited.
+        slot = self.slots[call.rank]
+        reason = self.driver.lost.setdefault(
+            slot.server_id, f"the worker closed while running {call.method!r} ({type(exc).__name__})"
+        )
+        self.worker_lost(slot.address, reason)
+        return self.broken or WorkerLostError(call.rank, slot.address, reason)
 
     def _submit(self, calls: list[Call], payloads: list, lazies: list[list[list]]) -> list[Future]:
         call_no = next(self.driver.call_numbers)
@@ -632,12 +761,14 @@ class GroupTransport:
                     call,
                     payload,
                     call_lazies or None,
+                    key,
                     key=key,
                     workers=[address],
                     allow_other_workers=False,
                     pure=False,
                     retries=0,
                 )
+                _tag(future, call)
                 future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
                 self.driver.submitted[future] = (time.monotonic(), call.rank, call.method)
                 self.driver.inflight[self.slots[call.rank].server_id].add(future)
@@ -668,12 +799,39 @@ class GroupTransport:
         except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits on it then
             pass
 
-    def gather(self, futures: list[Future], method_name: str, grace: float | None = None) -> list:
+    def gather(
+        self,
+        futures: list[Future],
+        method_name: str,
+        grace: float | None = None,
+        *,
+        limit: Limit | None = None,
+    ) -> list:
         """Wait for per-rank futures; the first failure raises at once. Never waits on a
-        lost worker: its rank raises ``WorkerLostError`` within the poll interval."""
+        lost worker: its rank raises ``WorkerLostError`` within the poll interval.
+
+        Raises:
+            CallTimeoutError: ``limit`` (default: this thread's
+                :func:`~daskwg.deadlines.current_limit`) passed first.
+        """
+        if limit is None:
+            limit = current_limit()
+        try:
+            return self._gather(futures, method_name, grace, limit)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            pending = [
+                (r, f) for r, f in zip(map(_rank_of, futures), futures) if r is not None and not f.done()
+            ]
+            self.abandon(method_name, pending, "interrupted")
+            raise
+
+    def _gather(
+        self, futures: list[Future], method_name: str, grace: float | None, limit: Limit | None
+    ) -> list:
         ranks = [_rank_of(f) for f in futures]
         poll = float(dask.config.get("daskwg.poll-interval"))
         warned: set[str] = set()
+        t0 = time.monotonic()
         while True:
             failed = [f for f in futures if f.status in ("error", "cancelled")]
             pending = [f for f in futures if not f.done()]
@@ -690,15 +848,148 @@ class GroupTransport:
                 except _TRANSFER_ERRORS as exc:
                     raise _transfer_error(-1, "?", method_name, exc) from None
             try:
+                self.check_scheduler()
                 self.raise_if_lost([r for r, f in zip(ranks, futures) if not f.done()])
-            except WorkerLostError:
+            except WorkerGroupError:
                 self.mark_stuck(method_name, [(r, f) for r, f in zip(ranks, futures) if not f.done()])
                 raise
             self._warn_if_paused([r for r, f in zip(ranks, futures) if not f.done()], method_name, warned)
+            wait_s = poll
+            if limit is not None:
+                if limit.remaining() <= 0:
+                    pending_ranks = [(r, f) for r, f in zip(ranks, futures) if r is not None and not f.done()]
+                    self.abandon(method_name, pending_ranks, "deadline")
+                    raise self._futures_timeout_error(futures, method_name, limit, time.monotonic() - t0)
+                wait_s = min(poll, limit.remaining())
             try:
-                dask_wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
+                self._wait_first(pending, max(wait_s, 0.001))
             except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                 pass  # a cancelled future is reported by the next round
+
+    def _wait_first(self, futures: list[Future], timeout: float) -> None:
+        # distributed.wait runs on the *default* client's loop; with several clients in
+        # one process that may not be the one owning these futures.
+        with self.client.as_current():
+            dask_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def _futures_timeout_error(
+        self, futures: list[Future], method_name: str, limit: Limit, waited: float
+    ) -> CallTimeoutError:
+        calls = self._calls_of(futures, method_name)
+        done = {c.rank for c, f in zip(calls, futures) if f.done()}
+        return self.client.sync(self._timeout_error, self.client.rpc, calls, done, limit, waited)
+
+    def _calls_of(self, futures: list[Future], method_name: str) -> list[Call]:
+        """The ``Call`` records behind task-path futures (what the status records name)."""
+        calls = []
+        for future in futures:
+            rank = _rank_of(future)
+            call = getattr(future, "daskwg_call", None)
+            if call is None:
+                call = Call(
+                    self.driver.session, -1, self.group_id, self.name, rank or 0, method_name, self.owner
+                )
+            calls.append(call)
+        return calls
+
+    async def _timeout_error(
+        self, rpc: Any, calls: list[Call], done: set[int], limit: Limit, waited: float
+    ) -> CallTimeoutError:
+        """A :class:`CallTimeoutError` whose ``ranks``/``stacks`` were read on the workers now."""
+        addresses = {c.rank: self.slots[c.rank].address for c in calls}
+        answers = await forensics.query_status(
+            rpc,
+            [a for r, a in addresses.items() if self.slots[r].server_id not in self.driver.lost],
+            float(dask.config.get("daskwg.status-timeout")),
+        )
+        ranks, stacks, notes = forensics.call_states(calls, addresses, done, answers)
+        method = calls[0].method
+        message = forensics.verdict(self.name, method, waited, limit.seconds, ranks, notes, addresses)
+        return CallTimeoutError(method, limit.seconds, ranks, stacks, message)
+
+    def status(self) -> list[dict]:
+        """Per rank, what its worker says it is doing (see :func:`forensics.rank_record`)."""
+        addresses = [s.address for s in self.slots]
+        live = [s.address for s in self.slots if s.server_id not in self.driver.lost]
+        timeout = float(dask.config.get("daskwg.status-timeout"))
+        channel = self.driver.channel()
+        if channel is None:
+            answers = self.client.sync(forensics.query_status, self.client.rpc, live, timeout)
+        else:
+            answers = channel.run(forensics.query_status(channel.pool, live, timeout))
+        records = []
+        for rank, (address, slot) in enumerate(zip(addresses, self.slots)):
+            answer = (
+                forensics.LOST if slot.server_id in self.driver.lost else answers.get(address, forensics.LOST)
+            )
+            if not isinstance(answer, str) and not any(
+                r.get("group_id") == self.group_id and r.get("rank") == rank for r in answer
+            ):
+                answer = forensics.LOST  # the worker restarted: a new process without the rank
+            records.append(forensics.rank_record(rank, address, self.group_id, answer))
+        return records
+
+    def _wait_for_queue_room(self, slots: Sequence[Any], method_name: str, limit: Limit | None) -> None:
+        """Wait while a worker already has ``daskwg.max-queued-calls`` unfinished task-path
+        calls of this driver, so queued calls cannot grow without bound."""
+        most = int(dask.config.get("daskwg.max-queued-calls"))
+        for slot in slots:
+            while True:
+                pending = [f for f in list(self.driver.inflight.get(slot.server_id, ())) if not f.done()]
+                if len(pending) < most:
+                    break
+                if limit is not None and limit.remaining() <= 0:
+                    raise CallTimeoutError(
+                        method_name,
+                        limit.seconds,
+                        {},
+                        {},
+                        f"{self.name}.{method_name} passed its deadline of {limit.seconds:g} s waiting for a place "
+                        f"in the queue of {slot.address}: {len(pending)} calls wait there "
+                        "(daskwg.max-queued-calls); wait for some of them, or raise the setting",
+                    )
+                self.raise_if_lost([self.slots.index(slot)])
+                try:
+                    self._wait_first(pending, 0.5)
+                except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
+                    pass
+
+    def release_dropped(self, metadata_key: list | None = None) -> None:
+        """Destroy the ranks of a group the program dropped without ``shutdown()``, and
+        forget its scheduler metadata record (``metadata_key``).
+
+        Called from a garbage-collection finaliser, which may run in any thread at any
+        allocation: it only schedules the work on the client's event loop.
+        """
+        self.close()
+        if self.client.status != "running":
+            return
+        try:
+            self.client.loop.add_callback(self._release_async, metadata_key)
+        except Exception:  # noqa: BLE001 - the loop may be closing with the interpreter
+            pass
+
+    async def _release_async(self, metadata_key: list | None) -> None:
+        if metadata_key is not None:
+            try:
+                await self.client.scheduler.set_metadata(keys=metadata_key, value=None)
+            except Exception:  # noqa: BLE001 - the scheduler may be gone
+                pass
+        ranks = [r for r, s in enumerate(self.slots) if s.server_id not in self.driver.lost]
+        if not ranks:
+            return
+        slots = [self.slots[r] for r in ranks]
+        seqs = self.driver.take_seqs([s.server_id for s in slots])
+        calls = [
+            Call(self.driver.session, seq, self.group_id, self.name, r, "__del__", self.owner, s.server_id)
+            for r, seq, s in zip(ranks, seqs, slots)
+        ]
+        try:
+            await self._send_direct(self.client.rpc, calls, [None] * len(calls), 0.0, False)
+        except Exception as exc:  # noqa: BLE001 - best effort, nobody waits on it
+            logger.info("group %s: releasing the dropped group's ranks failed: %s", self.name, exc)
+        else:
+            logger.info("group %s was garbage-collected without shutdown(): released its ranks", self.name)
 
     def _warn_if_paused(self, ranks: Sequence[int | None], method_name: str, warned: set[str]) -> None:
         after = float(dask.config.get("daskwg.paused-warning"))
@@ -724,6 +1015,13 @@ class GroupTransport:
         rank = _rank_of(future)
         address = self.slots[rank].address if rank is not None else "?"
         if future.status == "cancelled":
+            if rank is not None:
+                self._await_loss_news(self.slots[rank])
+            if self.client.status != "running":
+                try:
+                    self.check_scheduler()
+                except GroupBrokenError as exc:
+                    return exc
             if rank is not None and self.slots[rank].server_id in self.driver.lost:
                 slot = self.slots[rank]
                 self.broken = self.broken or WorkerLostError(
@@ -740,8 +1038,23 @@ class GroupTransport:
         tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
         return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
 
+    def _await_loss_news(self, slot: Any, seconds: float = 3.0) -> None:
+        """A task cancelled by Dask (``client.restart()``, a retired worker) is followed
+        by the scheduler's remove-worker event: give it a moment to arrive, so the
+        error says the worker was lost instead of a bare "cancelled"."""
+        end = time.monotonic() + seconds
+        while (
+            slot.server_id not in self.driver.lost
+            and self.client.status == "running"
+            and time.monotonic() < end
+        ):
+            time.sleep(0.02)
+
     def gather_any(self, futures: list) -> list:
-        return self.gather(list(futures), "DataProtoFuture.get")
+        futures = list(futures)
+        calls = [getattr(f, "daskwg_call", None) for f in futures]
+        method = next((c.method for c in calls if c is not None), "DataProtoFuture.get")
+        return self.gather(futures, method)
 
 
 #: What Dask raises when a result cannot be serialised on the worker or deserialised here.
@@ -790,6 +1103,15 @@ def _pack_arguments(method: str, payload: Any, raw: bool) -> dict:
     ) from None
 
 
+def _tag(future: Future, call: Call) -> None:
+    # The Call a task-path future stands for: deadline reports find it in the workers'
+    # status records, and DataProtoFuture.get() names the producing method.
+    try:
+        future.daskwg_call = call
+    except AttributeError:  # a Future type without instance attributes
+        pass
+
+
 def _consume_exception(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
@@ -798,6 +1120,16 @@ def _consume_exception(task: asyncio.Future) -> None:
 def _rank_of(future: Future) -> int | None:
     match = _KEY_RANK.search(str(future.key))
     return int(match.group(1)) if match else None
+
+
+def _source_of(futures: Sequence[Any]) -> str:
+    """``"group.method (ranks 0, 1)"``: the call that produced these futures."""
+    calls = [getattr(f, "daskwg_call", None) for f in futures]
+    known = [c for c in calls if c is not None]
+    if not known:
+        return ""
+    ranks = ", ".join(str(c.rank) for c in known)
+    return f"{known[0].group_name}.{known[0].method} (ranks {ranks})"
 
 
 def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:
@@ -811,7 +1143,7 @@ def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:
     def swap(value: Any) -> Any:
         if isinstance(value, DataProtoFuture):
             lazies.append(list(value.futures))
-            return LazyArg(len(lazies) - 1, value.transform)
+            return LazyArg(len(lazies) - 1, value.transform, _source_of(value.futures))
         return value
 
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}

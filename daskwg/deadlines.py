@@ -1,0 +1,91 @@
+"""Deadlines of group calls: ``with daskwg.deadline(s):``, ``@register(timeout=s)`` and
+the Dask setting ``daskwg.call-timeout``.
+
+verl's calls have no deadline, so one stalled rank freezes the whole job; here every
+blocking call and every wait on a call's futures can be bounded. Which deadline a wait
+gets, the first that applies:
+
+1. the innermost ``with daskwg.deadline(seconds):`` block of the waiting thread (its
+   end, counted from when the block was entered: a budget for everything inside);
+2. the method's ``@register(..., timeout=seconds)`` (counted from the call);
+3. ``daskwg.call-timeout`` (counted from the call; ``None``, the default: no deadline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import dask.config
+
+from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
+
+__all__ = ["deadline", "Limit", "current_limit", "check_seconds"]
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One wait's deadline: ``expires`` (``time.monotonic()`` seconds) and ``seconds``
+    (the configured length, for messages)."""
+
+    expires: float
+    seconds: float
+
+    def remaining(self) -> float:
+        return self.expires - time.monotonic()
+
+
+def check_seconds(seconds: object, what: str) -> float | None:
+    """``seconds`` as a positive float (``None`` passes), else ``ValueError``/``TypeError``."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds or None, got {type(seconds).__name__}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{what} must be a positive, finite number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[Limit]:
+    """Bound every group call and future wait of this thread inside the block.
+
+    Args:
+        seconds: the budget, counted from entering the block (a positive number).
+    Yields:
+        the :class:`Limit` in force.
+    Raises:
+        TypeError, ValueError: ``seconds`` is not a positive number.
+
+    A call still waiting when the block's time is up raises
+    :class:`daskwg.CallTimeoutError` naming the ranks that are done, running (with their
+    stacks), queued, unresponsive or lost. Blocks nest; the innermost wins (also over a
+    method's ``@register(timeout=...)``). Other threads are not affected. Like
+    ``trio.fail_after`` / ``asyncio.timeout``, but for daskwg's waits only.
+    """
+    limit = Limit(time.monotonic() + check_seconds(seconds, "deadline"), float(seconds))
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(limit)
+    try:
+        yield limit
+    finally:
+        stack.remove(limit)
+
+
+def current_limit(method_timeout: float | None = None) -> Limit | None:
+    """The deadline of a wait starting now in this thread (see the module docstring)."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1]
+    seconds = method_timeout
+    if seconds is None:
+        seconds = check_seconds(dask.config.get("daskwg.call-timeout", None), "daskwg.call-timeout")
+    if seconds is None:
+        return None
+    return Limit(time.monotonic() + seconds, seconds)

@@ -1,0 +1,118 @@
+"""Worker classes for the deadline, hang and restart tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+from daskwg import DataProto, Dispatch, Worker, register
+
+
+class BadStrError(Exception):
+    """An exception whose ``__str__`` itself raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("this __str__ raises")
+
+
+class HangWorker(Worker):
+    """Sleeps, spins, blocks in collectives and fails in odd ways, on demand."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def sleep_async(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def wait_for_file_async(self, path: str, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while not os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.05)
+        return os.path.exists(path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, timeout=1.0)
+    def sleep_with_timeout(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def spin_on(self, rank: int) -> int:
+        """Rank ``rank`` never returns (a pure-Python infinite loop)."""
+        n, me = 0, self.rank
+        while me == rank:
+            n += 1
+        return n
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def add(self, i: int) -> int:
+        return i + self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def threads(self) -> int:
+        return threading.active_count()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_process_group(self) -> str:
+        dist.init_process_group(backend="gloo")
+        return os.environ["MASTER_PORT"]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_or_fail(self, failing_rank: int) -> float:
+        if self.rank == failing_rank:
+            raise RuntimeError(f"rank {failing_rank} fails before the all-reduce")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def raise_worker_only(self) -> None:
+        # A class that exists only in this process: the driver cannot rebuild it.
+        module = types.ModuleType("daskwg_worker_only_errors")
+        exec("class WorkerOnlyError(Exception):\n    pass\n", module.__dict__)
+        sys.modules[module.__name__] = module
+        raise module.WorkerOnlyError(f"only on rank {self.rank}")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def raise_worker_only_async(self) -> None:
+        self.raise_worker_only()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def raise_bad_str(self) -> None:
+        raise BadStrError()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def raise_key_error(self) -> None:
+        raise KeyError("missing")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def raise_key_error_async(self) -> None:
+        raise KeyError("missing")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def clashing_parts(self, data: DataProto) -> DataProto:
+        # Parts whose meta_info disagree: concatenating them fails.
+        return DataProto.from_dict({"x": data.batch["x"]}, meta_info={"step": self.rank})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def consume(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def raise_worker_only_proto(self, data: DataProto) -> DataProto:
+        self.raise_worker_only()
+        return data

@@ -1,0 +1,522 @@
+"""Never hang, always explain: deadlines, hang forensics, restart, Ctrl-C, losses on every
+path, exceptions that keep their type, bounded resources. Faults are injected into real
+processes (SIGSTOP, SIGKILL, SIGINT, infinite loops, blocked gloo collectives, retired,
+restarted and scaled-down workers, a killed ``dask scheduler``). Detection times are
+printed (``pytest -s``), never asserted."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from conftest import CLICluster, process_cluster, wait_for_workers
+from dask.config import set as dask_config
+from distributed import Client
+from hang_workers import HangWorker
+
+import daskwg
+from daskwg import (
+    CallTimeoutError,
+    DataProto,
+    GroupBrokenError,
+    RankError,
+    WorkerGroup,
+    WorkerGroupError,
+    WorkerLostError,
+    register,
+)
+
+TESTS_DIR = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def hang_cluster():
+    """Three worker processes with Nannies, shared: tests that stop or wedge a rank end
+    with ``wg.restart()``, which leaves the workers fresh for the next test."""
+    with process_cluster(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def hclient(hang_cluster):
+    with Client(hang_cluster) as client:
+        yield client
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+# ---- deadlines -----------------------------------------------------------------------
+
+
+def test_deadline_and_timeout_reject_non_positive_seconds():
+    with pytest.raises(ValueError, match="positive"):
+        with daskwg.deadline(0):
+            pass
+    with pytest.raises(TypeError, match="number of seconds"):
+        with daskwg.deadline("5"):
+            pass
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        register(timeout=-1)
+
+
+def test_call_timeout_error_is_a_worker_group_error_and_a_timeout_error():
+    assert issubclass(CallTimeoutError, WorkerGroupError)
+    assert issubclass(CallTimeoutError, TimeoutError)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_is_reported_unresponsive_and_restart_replaces_it(hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    try:
+        pids = wg.pid()
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(CallTimeoutError) as info:
+                with daskwg.deadline(2):
+                    wg.sleep(0.1)
+            print(f"\n[detect] SIGSTOP, deadline 2 s -> CallTimeoutError: {time.monotonic() - t0:.2f} s")
+            assert info.value.ranks == {0: "done", 1: "unresponsive"}
+            assert info.value.method == "sleep" and info.value.timeout == 2.0
+            assert "rank 1 unresponsive" in str(info.value) and wg.workers[1] in str(info.value)
+            t0 = time.monotonic()
+            states = [r["state"] for r in wg.status()]
+            print(f"[detect] status() with a stopped worker: {time.monotonic() - t0:.2f} s")
+            assert states == ["idle", "unresponsive"]
+            t0 = time.monotonic()
+            wg.restart()
+            print(f"[detect] restart() of a stopped worker: {time.monotonic() - t0:.2f} s")
+        finally:
+            _resume(pids[1])
+        new_pids = wg.pid()
+        assert new_pids[0] != pids[0] and new_pids[1] != pids[1]
+        assert not wg.is_broken
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_in_an_infinite_loop_times_out_with_its_stack(hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(2):
+                wg.spin_on(1)
+        print(f"\n[detect] infinite loop, deadline 2 s -> CallTimeoutError: {time.monotonic() - t0:.2f} s")
+        err = info.value
+        assert err.ranks == {0: "done", 1: "running"}
+        assert "spin_on" in err.stacks[1] and list(err.stacks) == [1]
+        assert "rank 1 still running 'spin_on' after" in str(err) and "in spin_on (" in str(err)
+        assert str(err).index("rank 1") < str(err).index("rank 0 done")
+        (record,) = [r for r in wg.status() if r["state"] == "running"]
+        assert (record["rank"], record["method"]) == (1, "spin_on") and "spin_on" in record["stack"]
+        assert record["seconds"] >= 0 and record["address"] == wg.workers[1]
+        wg.restart()
+        assert wg.spin_on(-1) == [0, 0]
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_register_timeout_config_and_innermost_deadline_bound_calls(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        with pytest.raises(CallTimeoutError) as info:
+            wg.sleep_with_timeout(2.5)
+        assert info.value.timeout == 1.0 and info.value.ranks == {0: "running"}
+        with dask_config({"daskwg.call-timeout": 1.0}):
+            with pytest.raises(CallTimeoutError, match="deadline of 1 s") as info:
+                wg.sleep(2.5)
+        assert info.value.ranks == {0: "queued"} or info.value.ranks == {0: "running"}
+        with daskwg.deadline(60), daskwg.deadline(1):
+            with pytest.raises(CallTimeoutError) as info:
+                wg.sleep(2.5)
+        assert info.value.timeout == 1.0
+        # Without a deadline, the next call waits behind the abandoned ones, then runs.
+        assert wg.sleep(0) == [0]
+
+
+@pytest.mark.timeout(120)
+def test_a_future_wait_times_out_and_a_queued_rank_says_what_it_waits_behind(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
+        futures = wg.sleep_async(3)
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(1):
+                wg._gather(futures, "sleep_async")
+        assert info.value.ranks == {0: "running", 1: "running"}
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(0.5):
+                wg.sleep(0)
+        assert info.value.ranks == {0: "queued", 1: "queued"}
+        assert "queued behind 'sleep_async'" in str(info.value)
+        assert wg._gather(futures, "sleep_async") == [0, 1]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_blocked_in_all_reduce_shows_its_stack_and_restart_recovers(hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    try:
+        first_port = wg.init_process_group()[0]
+        with pytest.raises(RankError, match="fails before the all-reduce"):
+            wg.all_reduce_or_fail(failing_rank=0)
+        status = wg.status()
+        assert status[1]["state"] == "running" and status[1]["method"] == "all_reduce_or_fail"
+        assert "all_reduce" in status[1]["stack"]
+        assert "fails before the all-reduce" in status[0]["last_error"]
+        t0 = time.monotonic()
+        wg.restart()
+        print(f"\n[detect] restart() of a rank stuck in a gloo all-reduce: {time.monotonic() - t0:.2f} s")
+        assert not wg.is_broken
+        second_port = wg.init_process_group()[0]
+        assert second_port != first_port
+        assert wg.all_reduce_or_fail(failing_rank=-1) == [2.0, 2.0]
+    finally:
+        wg.shutdown()
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------
+
+_CTRL_C_DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, {tests!r})
+    from distributed import Client
+    import daskwg
+    from daskwg import WorkerGroup
+    from hang_workers import HangWorker
+
+    out = {{}}
+    with Client({address!r}) as client:
+        wg = WorkerGroup(client, HangWorker, world_size=2)
+        print("started", flush=True)
+        try:
+            wg.sleep(12)
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        out["status"] = [(r["state"], r["method"]) for r in wg.status()]
+        t0 = time.monotonic()
+        try:
+            with daskwg.deadline(2):
+                wg.pid()
+        except daskwg.CallTimeoutError as exc:
+            out["next_call"] = [str(exc), exc.ranks]
+        out["next_call_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        try:
+            with daskwg.deadline(2):
+                WorkerGroup(client, HangWorker, world_size=2)
+        except daskwg.CallTimeoutError as exc:
+            out["new_group"] = str(exc)
+        out["new_group_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        with daskwg.deadline(30):
+            wg.shutdown()
+        out["shutdown_s"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_call_leaves_nothing_waiting_silently(hang_cluster, hclient):
+    script = _CTRL_C_DRIVER.format(tests=TESTS_DIR, address=hang_cluster.scheduler_address)
+    env = {**os.environ, "DASK_DASKWG__SHUTDOWN_TIMEOUT": "2"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    print(
+        f"\n[detect] after Ctrl-C: next call (deadline 2 s) {out['next_call_s']:.2f} s, new group "
+        f"{out['new_group_s']:.2f} s, shutdown (shutdown-timeout 2 s) {out['shutdown_s']:.2f} s"
+    )
+    assert out["interrupted"]
+    assert out["status"] == [["running", "sleep"], ["running", "sleep"]]
+    message, ranks = out["next_call"]
+    assert ranks == {"0": "queued", "1": "queued"} and "behind 'sleep'" in message
+    assert "behind 'sleep'" in out["new_group"]
+    # The interrupted ranks finish their sleep, destroy their objects and serve others.
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg, daskwg.deadline(60):
+        assert len(wg.pid()) == 2
+
+
+# ---- losses on every path ---------------------------------------------------------------
+
+
+def _later(delay: float, action, record: dict) -> threading.Thread:
+    def run():
+        time.sleep(delay)
+        record["t"] = time.monotonic()
+        action()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _call(wg: WorkerGroup, blocking: bool) -> None:
+    with daskwg.deadline(60):
+        if blocking:
+            wg.sleep(6)
+        else:
+            wg._gather(wg.sleep_async(6), "sleep_async")
+
+
+def _wait_until_ranks_free(wg: WorkerGroup) -> None:
+    # The surviving ranks of a lost worker's call finish it before the workers serve
+    # other groups of this driver.
+    end = time.monotonic() + 60
+    while any(wg._transport.is_stuck(slot) for slot in wg._slots) and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+def _group_when_free(client: Client, **kwargs) -> WorkerGroup:
+    """A new group, once the ranks of a group broken by the previous test finished the
+    call they were in (until then daskwg refuses to queue work behind them)."""
+    end = time.monotonic() + 60
+    while True:
+        try:
+            return WorkerGroup(client, HangWorker, **kwargs)
+        except GroupBrokenError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_restart_workers_during_a_call_raises_worker_lost(hclient, blocking):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    record = {}
+    thread = _later(1.0, lambda: hclient.restart_workers([wg.workers[1]]), record)
+    with pytest.raises(WorkerLostError) as info:
+        _call(wg, blocking)
+    print(
+        f"\n[detect] restart_workers during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
+    )
+    assert info.value.rank == 1 and wg.is_broken
+    thread.join(90)
+    wg.shutdown()
+    _wait_until_ranks_free(wg)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_client_restart_during_a_call_raises_worker_lost(hclient, blocking):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    record = {}
+    thread = _later(1.0, hclient.restart, record)
+    with pytest.raises(WorkerLostError):
+        _call(wg, blocking)
+    print(
+        f"\n[detect] client.restart() during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
+    )
+    thread.join(90)
+    assert wg.is_broken
+    wg.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shrinking_cluster():
+    """Three workers that the tests retire and scale down, one at a time."""
+    with process_cluster(3) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+@pytest.mark.timeout(300)
+def test_retiring_a_worker_during_a_blocking_call_raises_worker_lost(shrinking_cluster):
+    cluster, client = shrinking_cluster
+    wg = WorkerGroup(client, HangWorker)
+    record = {}
+    _later(1.0, lambda: client.retire_workers([wg.workers[-1]]), record)
+    with pytest.raises(WorkerLostError) as info:
+        _call(wg, blocking=True)
+    print(
+        f"\n[detect] retire_workers during a blocking call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
+    )
+    assert info.value.rank == wg.world_size - 1
+    wg.shutdown()
+    _wait_until_ranks_free(wg)
+
+
+@pytest.mark.timeout(300)
+def test_scaling_down_during_a_non_blocking_call_raises_worker_lost(shrinking_cluster):
+    cluster, client = shrinking_cluster
+    wg = _group_when_free(client)
+    record = {}
+    _later(1.0, lambda: cluster.scale(wg.world_size - 1), record)
+    with pytest.raises(WorkerLostError):
+        _call(wg, blocking=False)
+    print(
+        f"\n[detect] cluster.scale(n - 1) during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
+    )
+    wg.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_a_killed_scheduler_breaks_the_group_idle_or_busy(busy):
+    cluster = CLICluster(2)
+    try:
+        client = Client(cluster.address, timeout=60)
+        wait_for_workers(client, 2)
+        wg = WorkerGroup(client, HangWorker, world_size=2)
+        record = {}
+        scheduler = cluster.procs[0]
+        if busy:
+            _later(1.0, scheduler.kill, record)
+            with pytest.raises((WorkerLostError, GroupBrokenError)) as info:
+                _call(wg, blocking=True)
+            print(
+                f"\n[detect] scheduler killed, busy -> {type(info.value).__name__}: {time.monotonic() - record['t']:.2f} s"
+            )
+        else:
+            record["t"] = time.monotonic()
+            scheduler.kill()
+            while not wg.is_broken and time.monotonic() - record["t"] < 60:
+                time.sleep(0.01)
+            print(f"\n[detect] scheduler killed, idle -> is_broken: {time.monotonic() - record['t']:.2f} s")
+            assert wg.is_broken
+            t0 = time.monotonic()
+            with pytest.raises(GroupBrokenError, match="lost the scheduler"):
+                wg.pid()
+            print(f"[detect] next call on that group raised after {time.monotonic() - t0:.3f} s")
+        t0 = time.monotonic()
+        wg.shutdown()
+        print(f"[detect] shutdown without a scheduler: {time.monotonic() - t0:.3f} s")
+        client.close(timeout=5)
+    finally:
+        cluster.close()
+
+
+# ---- exceptions ----------------------------------------------------------------------
+
+
+def test_an_exception_class_only_the_worker_has_arrives_as_rank_error_with_its_name(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
+        with pytest.raises(RankError) as info:
+            wg.raise_worker_only()
+        err = info.value
+        assert err.exception is None
+        assert err.exception_type == "daskwg_worker_only_errors.WorkerOnlyError"
+        assert err.message == f"only on rank {err.rank}" and "WorkerOnlyError: only on rank" in str(err)
+        assert "raise_worker_only" in err.remote_traceback
+        future = wg.raise_worker_only_proto(DataProto.from_dict({"x": torch.arange(4)}))
+        with pytest.raises(RankError) as info:
+            future.get()
+        assert info.value.method == "raise_worker_only_proto"
+        assert info.value.exception_type == "daskwg_worker_only_errors.WorkerOnlyError"
+
+
+def test_rank_errors_keep_their_type_after_a_non_blocking_failure(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
+        with pytest.raises(RankError) as info:
+            wg._gather(wg.raise_key_error_async(), "raise_key_error_async")
+        assert isinstance(info.value.exception, KeyError)
+        for _ in range(2):
+            with pytest.raises(RankError) as info:
+                wg.raise_key_error()
+            assert isinstance(info.value.exception, KeyError) and info.value.exception_type == "KeyError"
+        with pytest.raises(RankError) as info:
+            wg.raise_bad_str()
+        assert info.value.exception_type == "hang_workers.BadStrError"
+        assert "this __str__ raises" in str(info.value)
+
+
+def test_a_chained_future_that_cannot_be_built_blames_the_producing_call(hclient):
+    with (
+        WorkerGroup(hclient, HangWorker, world_size=2, name="producer") as producer,
+        WorkerGroup(hclient, HangWorker, world_size=1, name="consumer") as consumer,
+    ):
+        parts = producer.clashing_parts(DataProto.from_dict({"x": torch.arange(4)}))
+        with pytest.raises(RankError) as info:
+            consumer.consume(parts).get()
+        assert "producer.clashing_parts (ranks 0, 1)" in info.value.method
+        assert "'consume'" in info.value.method and info.value.exception_type == "ValueError"
+
+
+# ---- resources -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_600_queued_non_blocking_calls_do_not_cost_a_thread_each(hclient, tmp_path):
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
+        before = max(wg.threads())
+        go = str(tmp_path / "go")
+        blocker = wg.wait_for_file_async(go, 90)
+        futures = [wg.add(i) for i in range(600)]
+        end = time.monotonic() + 60
+        queued = during = 0
+        while queued < 600 and time.monotonic() < end:
+            queued = max(queued, *(r["queued"] for r in wg.status()))
+            during = max(during, *hclient.run(threading.active_count).values())
+        open(go, "w").close()
+        print(
+            f"\n[resources] 600 queued calls: up to {queued} queued on a rank, threads {before} -> {during}"
+        )
+        assert during < before + 20
+        results = wg._gather([f for pair in futures for f in pair], "add")
+        assert results == [i + r for i in range(600) for r in (0, 1)]
+        assert wg._gather(blocker, "wait_for_file_async") == [True, True]
+        # The queue is bounded: past daskwg.max-queued-calls a call waits for a place.
+        with dask_config({"daskwg.max-queued-calls": 5}):
+            held = [wg.sleep_async(0.5) for _ in range(5)]
+            with pytest.raises(CallTimeoutError, match="waiting for a place in the queue"):
+                with daskwg.deadline(0.2):
+                    wg.add(0)
+            wg._gather([f for pair in held for f in pair], "sleep_async")
+
+
+def _hosted_group_ids(client: Client) -> set:
+    def info(dask_worker):
+        host = dask_worker.plugins.get("daskwg")
+        return [g[1] for g in host._handle_info()["groups"]] if host else []
+
+    return {gid for ids in client.run(info).values() for gid in ids}
+
+
+@pytest.mark.timeout(150)
+def test_groups_dropped_without_shutdown_release_their_ranks(hclient):
+    before = _hosted_group_ids(hclient)
+    groups = [WorkerGroup(hclient, HangWorker, world_size=2) for _ in range(8)]
+    ids = {wg._group_id for wg in groups}
+    assert ids <= _hosted_group_ids(hclient)
+    del groups
+    t0 = time.monotonic()
+    gc.collect()
+    while ids & _hosted_group_ids(hclient) and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    print(f"\n[resources] 8 dropped groups released after {time.monotonic() - t0:.2f} s")
+    assert _hosted_group_ids(hclient) == before
+
+
+def test_a_detached_group_is_not_released_when_dropped(hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=1, name="kept-when-dropped", detached=True)
+    group_id = wg._group_id
+    del wg
+    gc.collect()
+    time.sleep(0.5)
+    assert group_id in _hosted_group_ids(hclient)
+    WorkerGroup.attach(hclient, "kept-when-dropped").shutdown()
+    assert group_id not in _hosted_group_ids(hclient)
