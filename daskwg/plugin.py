@@ -40,14 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from distributed import get_worker, secede
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from . import serialization  # also installs the tensor serializer in workers
+from . import parts, serialization  # serialization also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
 
 __all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
@@ -236,6 +234,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_info"] = self._handle_info
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
+        parts.install(worker)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -291,7 +290,7 @@ class HostPlugin(WorkerPlugin):
             return {"status": "error", "exception": to_serialize(_picklable_error(exc))}
         try:
             packed = serialization.pack(result)
-        except Exception as exc:  # noqa: BLE001 - _check_picklable lets some through
+        except Exception as exc:  # noqa: BLE001 - e.g. a Packed frame Dask cannot send
             error = RankError(
                 call.rank, self.address, call.method, traceback.format_exc(), _picklable_exception(exc)
             )
@@ -500,8 +499,8 @@ class HostPlugin(WorkerPlugin):
         hosted = self._lookup(call)
         args, kwargs = payload
         if lazy_values is not None:
-            args = tuple(_resolve(a, lazy_values) for a in args)
-            kwargs = {k: _resolve(v, lazy_values) for k, v in kwargs.items()}
+            args = tuple(_resolve(a, lazy_values, self.worker) for a in args)
+            kwargs = {k: _resolve(v, lazy_values, self.worker) for k, v in kwargs.items()}
         self._apply_env(hosted.env)
         try:
             method = getattr(hosted.instance, call.method)
@@ -512,8 +511,7 @@ class HostPlugin(WorkerPlugin):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
-        _check_picklable(result, call)
-        return result
+        return _snapshot(result, call)
 
     def _reserve_port(self, port: int | None) -> int:
         host = get_address_host(self.address)
@@ -539,28 +537,32 @@ class HostPlugin(WorkerPlugin):
         raise OSError(f"could not find a free port on {host}")
 
 
-def _resolve(value: Any, lazy_values: list) -> Any:
+def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
     if isinstance(value, LazyArg):
-        parts = lazy_values[value.index]
-        if len(parts) == 1:
+        values = lazy_values[value.index]
+        if len(values) == 1:
             # A part produced on this worker arrives as the very object Dask keeps for
             # its future: a method that changes its argument in place would change the
             # future's value for every later reader. Several parts are concatenated,
             # which copies them anyway.
-            parts = [copy.deepcopy(parts[0])]
-        return value.transform(parts)
+            only = values[0]
+            values = [
+                serialization.loads(only, copy=True)
+                if isinstance(only, serialization.Packed)
+                else copy.deepcopy(only)
+            ]
+        else:
+            values = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in values]
+        with parts.fetching_on(worker):
+            return value.transform(values)
     return value
 
 
-def _check_picklable(result: Any, call: Call) -> None:
-    """Fail with a clear error now rather than inside Dask's comm layer later."""
-    if result is None or isinstance(result, (int, float, str, bytes, bool, np.ndarray, torch.Tensor)):
-        return
-    if type(result).__name__ == "DataProto":
-        # Its tensors always serialise; what may not are meta_info and object arrays.
-        result = (result.meta_info, result.non_tensor_batch)
+def _snapshot(result: Any, call: Call) -> Any:
+    """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
+    a clear error now rather than inside Dask's comm layer later."""
     try:
-        pickle.dumps(result, protocol=5, buffer_callback=lambda _: None)
+        return serialization.snapshot(result, held=2)  # _invoke's local and this argument
     except Exception as exc:  # noqa: BLE001
         raise TypeError(
             f"{call.group_name}.{call.method} on rank {call.rank} returned a "
@@ -592,13 +594,21 @@ def _picklable_error(exc: BaseException) -> BaseException:
 def run_call(call: Call, payload: Any, lazy_values: list | None = None) -> Any:
     """The task function of the Dask-task path: run ``call`` on this worker's host.
 
-    ``lazy_values`` are the materialised parts of ``DataProtoFuture`` arguments (Dask
-    resolved them before the task started). The task secedes from Dask's thread pool
-    while it waits for its turn, so a call that waits for an earlier one never holds
-    the worker's only thread.
+    ``payload`` is ``("inline", pickle bytes)`` or ``("scattered", value)`` (sent
+    straight to this worker beforehand, see ``daskwg.transport``). ``lazy_values``
+    are what Dask resolved for ``DataProtoFuture`` arguments before the task started
+    (their parts, or their :class:`daskwg.parts.PartInfo`). The task secedes from
+    Dask's thread pool while it waits for its turn, so a call that waits for an
+    earlier one never holds the worker's only thread.
     """
     host = get_worker().plugins.get(PLUGIN_NAME)
     if host is None:
         raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
+    payload = _unwrap_payload(payload)
     secede()
     return host.enqueue(call, payload, lazy_values).result()
+
+
+def _unwrap_payload(payload: tuple) -> Any:
+    kind, value = payload
+    return pickle.loads(value) if kind == "inline" else value
