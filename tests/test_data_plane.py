@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import process_cluster
+from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.sizeof import sizeof
 from distributed import Client, wait
 from plane_workers import Consumer, Producer, Stateful, tcp_bytes_received
@@ -182,6 +182,35 @@ def test_non_blocking_call_from_the_driver_keeps_the_batch_off_the_scheduler(pla
         assert min(client.nbytes(summary=False)[f.key] for f in future.futures) >= 16 * MiB
     finally:
         producers.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_non_blocking_calls_work_when_the_scheduler_cannot_import_torch(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch on this scheduler')\n")
+    cluster = CLICluster(2, scheduler_path=str(tmp_path))
+    try:
+        with Client(cluster.address, timeout=120) as client:
+            wait_for_workers(client, 2)
+            with pytest.raises(Exception, match="no torch on this scheduler"):
+                client.run_on_scheduler(_import_torch)
+            with WorkerGroup(client, Producer, world_size=2) as producers:
+                data = DataProto.from_dict(
+                    {"x": torch.arange(8 * 4096, dtype=torch.float32).reshape(8, 4096)}
+                )
+                future = producers.echo_async(data)  # 128 KiB: sent straight to the workers
+                assert torch.equal(future.get().batch["x"], data.batch["x"])
+                small = producers.echo_async(DataProto.from_dict({"x": torch.ones(4, 2)}))
+                assert producers.echo(small).batch["x"].tolist() == [[1.0, 1.0]] * 4
+                assert producers.make(seed(6, 4)).repeat(2).get().batch["id"].tolist() == [
+                    0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5,
+                ]  # fmt: skip
+    finally:
+        cluster.close()
+
+
+def _import_torch(dask_scheduler) -> None:
+    import torch  # noqa: F401
 
 
 def _task_spec_bytes(dask_scheduler) -> int:
