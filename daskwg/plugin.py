@@ -511,7 +511,7 @@ class HostPlugin(WorkerPlugin):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
-        return _snapshot(result, call)
+        return _snapshot(result, call, (payload[0], payload[1], args, kwargs))
 
     def _reserve_port(self, port: int | None) -> int:
         host = get_address_host(self.address)
@@ -558,11 +558,13 @@ def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
     return value
 
 
-def _snapshot(result: Any, call: Call) -> Any:
+def _snapshot(result: Any, call: Call, arguments: tuple) -> Any:
     """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
     a clear error now rather than inside Dask's comm layer later."""
     try:
-        return serialization.snapshot(result, held=2)  # _invoke's local and this argument
+        # Held by _invoke's local and this argument; the call's argument containers
+        # are alive but change nothing.
+        return serialization.snapshot(result, held=2, arguments=arguments)
     except Exception as exc:  # noqa: BLE001
         raise TypeError(
             f"{call.group_name}.{call.method} on rank {call.rank} returned a "

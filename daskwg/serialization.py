@@ -27,6 +27,9 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import weakref
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import cloudpickle
@@ -76,10 +79,26 @@ def _writable(buf: Any) -> np.ndarray:
     return arr if arr.flags.writeable else arr.copy()
 
 
+#: Tensors rebuilt here on received bytes, by id: their memory (a receive buffer) is
+#: theirs alone although torch sees it as borrowed from numpy.
+_RECEIVED: dict[int, weakref.ref] = {}
+
+
+def _received(t: torch.Tensor) -> bool:
+    ref = _RECEIVED.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _rebuild_tensor(dtype: str, shape: tuple, device: str, requires_grad: bool, buf: Any) -> torch.Tensor:
     torch_dtype = getattr(torch, dtype)
     if not shape or all(shape):
-        t = torch.from_numpy(_writable(buf)).view(torch_dtype).reshape(shape)
+        flat = torch.frombuffer(_writable(buf), dtype=torch_dtype)
+        # set_ rather than reshape: a view would keep ``flat`` as its ``_base``, and
+        # snapshot() takes tensors with a base as shared.
+        t = torch.empty(0, dtype=torch_dtype).set_(flat.untyped_storage(), 0, shape)
+        del flat
+        key = id(t)
+        _RECEIVED[key] = weakref.ref(t, lambda _, key=key: _RECEIVED.pop(key, None))
     else:
         t = torch.empty(shape, dtype=torch_dtype)
     if device != "cpu":
@@ -267,7 +286,7 @@ def inline(obj: Any) -> bytes:
 # --------------------------------------------------------------------- snapshots
 
 
-def snapshot(obj: Any, *, held: int = 1) -> Packed:
+def snapshot(obj: Any, *, held: int = 1, arguments: Iterable[Any] = ()) -> Packed:
     """``obj`` packed as it is now: later in-place changes to its tensors do not show.
 
     Tensors and numeric arrays that only this result references (a tensor the method
@@ -281,12 +300,21 @@ def snapshot(obj: Any, *, held: int = 1) -> Packed:
         held: how many variables of the calling frames hold ``obj`` (a method's
             return value in the host: its local and the helper's argument, 2); any
             other reference to ``obj`` makes all of it count as shared.
+        arguments: the containers (tuples, dicts) holding the call's arguments, which
+            are alive but change nothing: a method that returns (a part of) its
+            argument returns it without a copy.
     """
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return _dump(obj, None)
+    extra: Counter = Counter()
+    for container in {id(c): c for c in arguments}.values():
+        extra.update(id(v) for v in (container.values() if isinstance(container, dict) else container))
     private: set[int] = set()
-    _owned(obj, _ROOT_REFS + held - 1, True, private)
+    _owned(obj, _ROOT_REFS + held - 1, True, private, extra)
     return _dump(obj, private)
+
+
+_NO_EXTRA: Counter = Counter()
 
 
 def _storage_private(t: torch.Tensor) -> bool:
@@ -295,17 +323,23 @@ def _storage_private(t: torch.Tensor) -> bool:
     if t._base is not None or t.is_shared():
         return False
     storage = t.untyped_storage()
-    # A storage on memory torch does not own (torch.from_numpy, DLPack) is not resizable.
-    return storage.resizable() and torch._C._storage_Use_Count(storage._cdata) <= _STORAGE_USES
+    # A storage on memory torch does not own (torch.from_numpy, DLPack) is not resizable;
+    # one rebuilt here on received bytes is nobody else's.
+    return (storage.resizable() or _received(t)) and torch._C._storage_Use_Count(
+        storage._cdata
+    ) <= _STORAGE_USES
 
 
-def _owned(x: Any, expected: int, parent_private: bool, private: set[int]) -> None:
+def _owned(
+    x: Any, expected: int, parent_private: bool, private: set[int], extra: Counter = _NO_EXTRA
+) -> None:
     """Add to ``private`` the ids of the tensors/arrays in ``x`` nothing else refers to.
 
     ``expected`` is the reference count ``x`` has when only its container holds it (as
-    this walk visits it, calibrated once at import by :func:`_calibrate`).
+    this walk visits it, calibrated once at import by :func:`_calibrate`); ``extra``
+    counts the further references, by id, that do not count (the call's arguments).
     """
-    alone = parent_private and sys.getrefcount(x) <= expected
+    alone = parent_private and sys.getrefcount(x) <= expected + extra.get(id(x), 0)
     if isinstance(x, torch.Tensor):
         if alone and _storage_private(x):
             private.add(id(x))
@@ -314,22 +348,22 @@ def _owned(x: Any, expected: int, parent_private: bool, private: set[int]) -> No
         if x.dtype == object:
             for item in x.reshape(-1):
                 if not isinstance(item, (str, bytes, int, float, bool, type(None))):
-                    _owned(item, _CHILD_REFS["array"], alone, private)
+                    _owned(item, _CHILD_REFS["array"], alone, private, extra)
         elif alone and x.base is None and x.flags.owndata:
             private.add(id(x))
         return
     if type(x) in (list, tuple):
         for item in x:
-            _owned(item, _CHILD_REFS["list"], alone, private)
+            _owned(item, _CHILD_REFS["list"], alone, private, extra)
     elif type(x) is dict:
         for item in x.values():
-            _owned(item, _CHILD_REFS["dict"], alone, private)
+            _owned(item, _CHILD_REFS["dict"], alone, private, extra)
     elif type(x) is TensorDict:
         for item in x._tensordict.values():
-            _owned(item, _CHILD_REFS["td"], alone, private)
+            _owned(item, _CHILD_REFS["td"], alone, private, extra)
     elif isinstance(x, DataProto):
         for item in (x.batch, x.non_tensor_batch, x.meta_info):
-            _owned(item, _CHILD_REFS["dp"], alone, private)
+            _owned(item, _CHILD_REFS["dp"], alone, private, extra)
 
 
 def _calibrate() -> tuple[int, dict[str, int], int]:

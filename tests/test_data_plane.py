@@ -255,6 +255,27 @@ def test_snapshot_copies_only_tensors_something_else_can_change():
     assert serialization.loads(packed)[0].tolist() == [1.0] * 16
 
 
+def test_a_method_returning_its_received_argument_costs_no_copy():
+    received = serialization.loads(
+        serialization.dumps(((DataProto.from_dict({"a": torch.zeros(1024)}),), {}))
+    )
+    args, kwargs = received
+
+    def host(payload):
+        args, kwargs = payload
+        result = _add_one(*args, **kwargs)
+        return serialization.snapshot(result, arguments=(args, kwargs))
+
+    packed = host(received)
+    assert _shares_memory(packed, args[0].batch["a"])
+    assert serialization.loads(packed).batch["a"].tolist() == [1.0] * 1024
+
+
+def _add_one(data: DataProto) -> DataProto:
+    data.batch["a"] += 1
+    return data
+
+
 def _shares_memory(packed, tensor) -> bool:
     return any(np.frombuffer(b, np.uint8).ctypes.data == tensor.data_ptr() for b in packed.buffers)
 
