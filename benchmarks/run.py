@@ -766,6 +766,19 @@ DISCUSSION = """\
 * Driver memory: RSS polled every millisecond by a thread (and `ru_maxrss`) in a fresh
   process; "growth" is the peak minus the RSS just before the batch was created, so
   the batch itself counts as 1×.
+* Data plane (a separate driver subprocess per system, 6 Dask workers / Ray actors,
+  producers and consumers on different processes, a `[4096, 4096]` float32 batch):
+  *reshard m→n* times the consuming `DP_COMPUTE_METRIC` call on a finished
+  `DataProtoFuture` of a dp-`m` group, consumed by a dp-`n` group, and reports the most
+  any consumer process received over TCP (`TCP_INFO`, read by a method of the rank
+  itself) against its share of the batch; Ray can move objects between same-host
+  processes through shared memory, which no socket counter sees. *chain union/select*:
+  `produce` (`blocking=False`), `derive` on its output, the union of both selected to
+  `x, y, id` and consumed by a second group; daskwg composes the futures lazily, verl
+  (whose `DataProtoFuture` has no `union`/`select`) materialises both in the driver.
+  *driver round trip*: `echo_async(batch).get()`, with the bytes of task specs the Dask
+  scheduler holds meanwhile. *view*: a rank returns `self.big[:16]` of a 1 GiB tensor,
+  next to returning a 16-element clone.
 * Group creation: a 4-rank group on an already started runtime, plus its first call.
   For Ray that includes starting one actor process per rank (that is what a
   `RayWorkerGroup` is); Dask workers already exist and the group instantiates the class
