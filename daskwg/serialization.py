@@ -180,7 +180,7 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
     """``reducer_override`` body. ``private``: ids of the tensors/arrays that need no
     copy (``None``: copy nothing)."""
     kind = type(obj)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
+    if kind is torch.Tensor:
         return _reduce_tensor(obj, private is not None and id(obj) not in private)
     if kind is TensorDict:
         if obj.is_locked:

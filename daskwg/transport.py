@@ -604,13 +604,9 @@ class GroupTransport:
         status = future.status
         if status == "finished":
             return
-        if status == "error":
-            try:
-                exc = future.exception(timeout=5)
-            except Exception:  # noqa: BLE001
-                exc = None
-            if isinstance(exc, RankError):
-                return  # it ran (and raised) on its rank: its place in the order is used
+        # Also after a RankError: it may be the error of a call this one depended on (a
+        # DataProtoFuture's producer), in which case this call never reached its rank.
+        # Skipping a call that ran is a no-op on the worker.
         self.client.loop.add_callback(self._send_skip, address, [seq])
 
     async def _send_skip(self, address: str, seqs: list[int]) -> None:

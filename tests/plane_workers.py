@@ -51,6 +51,12 @@ class Producer(Worker):
         )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make_or_fail(self, seed: DataProto) -> DataProto:
+        if self.rank == 0:
+            raise ValueError("rank 0 cannot make its rows")
+        return DataProto.from_dict({"id": seed.batch["id"].clone()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def derive(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"y": data.batch["id"] * 10})
 

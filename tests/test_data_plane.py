@@ -19,7 +19,7 @@ from dask.sizeof import sizeof
 from distributed import Client, wait
 from plane_workers import Consumer, Producer, Stateful, tcp_bytes_received
 
-from daskwg import DataProto, DataProtoFuture, ResourcePool, WorkerGroup, serialization
+from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup, serialization
 
 MiB = 1 << 20
 ROWS, COLS = 1024, 2048  # x and noise: 8 MiB each; the batch is 16 MiB
@@ -110,7 +110,7 @@ def test_union_select_chain_moves_almost_nothing_through_the_driver(plane):
         consumers.shutdown()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_repeat_interleaves_rows_in_the_driver_and_on_the_ranks(plane):
     client, pool = plane
     producers, consumers = groups(client, pool, [2, 4], Producer, Consumer)
@@ -126,7 +126,7 @@ def test_repeat_interleaves_rows_in_the_driver_and_on_the_ranks(plane):
         consumers.shutdown()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_union_and_rename_with_a_driver_data_proto_on_the_ranks(plane):
     client, pool = plane
     producers, consumers = groups(client, pool, [2, 2], Producer, Consumer)
@@ -137,6 +137,20 @@ def test_union_and_rename_with_a_driver_data_proto_on_the_ranks(plane):
         out = consumers.summary(lazy)
         assert [o["y"] for o in out] == [[100, 101, 102], [103, 104, 105]]
         assert lazy.get().batch["y"].tolist() == [100, 101, 102, 103, 104, 105]
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_producer_fails_the_consuming_call_and_later_calls_still_run(plane):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 4], Producer, Consumer)
+    try:
+        with pytest.raises(RankError, match="rank 0 cannot make its rows"):
+            consumers.summary(producers.make_or_fail(seed(8, 4)).select(batch_keys=["id"]))
+        out = consumers.summary(producers.make(seed(8, 4)))
+        assert [o["ids"] for o in out] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     finally:
         producers.shutdown()
         consumers.shutdown()
@@ -166,7 +180,7 @@ def test_union_of_different_lengths_fails_when_materialised():
 # --------------------------------------------------------------------- driver-fed calls
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_non_blocking_call_from_the_driver_keeps_the_batch_off_the_scheduler(plane):
     client, pool = plane
     (producers,) = groups(client, pool, [2], Producer)
@@ -220,7 +234,7 @@ def _task_spec_bytes(dask_scheduler) -> int:
 # --------------------------------------------------------------------- results and views
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_result_is_its_value_when_the_method_returned(plane):
     client, pool = plane
     (group,) = groups(client, pool, [4], Stateful)
@@ -280,7 +294,7 @@ def _shares_memory(packed, tensor) -> bool:
     return any(np.frombuffer(b, np.uint8).ctypes.data == tensor.data_ptr() for b in packed.buffers)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("blocking", [True, False])
 def test_a_returned_view_carries_only_its_own_bytes(plane, blocking):
     client, pool = plane
@@ -312,7 +326,7 @@ def _views():
     }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("blocking", [True, False])
 @pytest.mark.parametrize("where", list(_views()))
 def test_an_argument_view_carries_only_its_own_bytes(plane, where, blocking):
@@ -332,7 +346,7 @@ def test_an_argument_view_carries_only_its_own_bytes(plane, where, blocking):
         group.shutdown()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("blocking", [True, False])
 def test_sparse_tensors_of_any_size_travel(plane, blocking):
     client, pool = plane
