@@ -592,7 +592,7 @@ class GroupTransport:
                 info = self._submit_task(
                     functools.partial(parts.part_info, key=part.key),
                     (part,),
-                    f"{key}-rows",
+                    f"{key}-rows-{next(self.driver.call_numbers)}",
                     self.driver.placement.get(key),
                 )
                 self.driver.part_infos[key] = info
