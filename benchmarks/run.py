@@ -87,6 +87,58 @@ def make_worker_class(Worker: type, register: Any, Dispatch: Any, DataProto: typ
     return BenchWorker
 
 
+def make_plane_class(Worker: type, register: Any, Dispatch: Any, DataProto: type) -> type:
+    """The data-plane benchmark worker (resharding, chains, views), on one system's API."""
+    import torch
+
+    class PlaneWorker(Worker):
+        def __init__(self):
+            super().__init__()
+            self.big = None
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def produce(self, seed):
+            ids = seed.batch["i"]
+            x = ids.to(torch.float32)[:, None].expand(-1, COLS).contiguous()
+            return DataProto.from_dict(tensors={"x": x, "id": ids.clone()})
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def derive(self, data):
+            return DataProto.from_dict(tensors={"y": data.batch["id"] * 10})
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def echo_async(self, data):
+            return data
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+        def consume(self, data):
+            # Exact check of every row: x[i, :] == id[i] (and y == 10 id where present).
+            ids = data.batch["id"].to(torch.float32)
+            ok = bool((data.batch["x"] == ids[:, None]).all())
+            if "y" in data.batch.keys():
+                ok = ok and bool((data.batch["y"] == data.batch["id"] * 10).all())
+            return (float(data.batch["id"].sum()), len(data), ok)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def rx(self):
+            return tcp_bytes()[0]
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def make_big(self, elements):
+            self.big = torch.zeros(elements, dtype=torch.float32)
+            return elements
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def view(self):
+            return self.big[:16]
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def view_clone(self):
+            return self.big[:16].clone()
+
+    return PlaneWorker
+
+
 # ----------------------------------------------------------------------- measuring
 
 
@@ -177,6 +229,14 @@ class DaskSystem:
         pool = self.daskwg.ResourcePool(self.client, world_size=n)
         return self.group_on(pool)
 
+    def api(self) -> tuple:
+        d = self.daskwg
+        return d.Worker, d.register, d.Dispatch, d.DataProto
+
+    def split_pool(self, sizes: list[int]):
+        pools = self.daskwg.ResourcePool(self.client, world_size=sum(sizes)).split(sizes)
+        return pools
+
     def pool(self, n: int):
         return self.daskwg.ResourcePool(self.client, world_size=n)
 
@@ -219,6 +279,7 @@ class VerlSystem:
         from verl.single_controller.base.decorator import Dispatch, register
 
         self.ray = ray
+        self._api = (Worker, register, Dispatch, DataProto)
         self.cls = make_worker_class(Worker, register, Dispatch, DataProto)
         self.remote_cls = ray.remote(self.cls)
         self.DataProto = DataProto
@@ -230,6 +291,12 @@ class VerlSystem:
 
     def group(self, n: int):
         return self.group_on(self.pool(n))
+
+    def api(self) -> tuple:
+        return self._api
+
+    def split_pool(self, sizes: list[int]):
+        return [self.pool(n) for n in sizes]
 
     def group_on(self, pool):
         from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
@@ -265,6 +332,186 @@ class VerlSystem:
 
 
 SYSTEMS = {"daskwg": DaskSystem, "verl": VerlSystem}
+
+# Data plane: a [PLANE_ROWS, 4096] float32 batch (64 MiB) on 6 worker processes /
+# actors, producers and consumers on different ones; a 1 GiB tensor for the view case.
+PLANE_ROWS = 4096
+PLANE_WORKERS = 6
+VIEW_ELEMENTS = 1 << 28
+PLANE_REPS = {"reshard": 5, "chain": 5, "roundtrip": 5, "view": 5}
+
+
+def _wait_all(system, fut) -> None:
+    if system.name == "daskwg":
+        from distributed import wait
+
+        wait(list(fut.futures))
+    else:
+        system.ray.wait(list(fut.futures), num_returns=len(fut.futures))
+
+
+def run_plane_child(name: str) -> dict:
+    """Resharding, a union/select chain, a driver round trip and a returned view."""
+    import torch
+
+    torch.set_num_threads(1)
+    system = SYSTEMS[name]()
+    system.start(PLANE_WORKERS)
+    cls = make_plane_class(*system.api())
+    system.cls = cls
+    if name == "verl":
+        system.remote_cls = system.ray.remote(cls)
+    samples: dict[str, list[float]] = {}
+    extra: dict[str, Any] = {}
+    rows = PLANE_ROWS
+    batch_bytes = rows * (COLS * 4 + 8)
+    seed = system.DataProto.from_dict(tensors={"i": torch.arange(rows)})
+    expected = float(rows * (rows - 1) // 2)
+
+    def check(metrics, what):
+        total = sum(m[0] for m in metrics)
+        if total != expected or sum(m[1] for m in metrics) != rows or not all(m[2] for m in metrics):
+            raise AssertionError(f"{what}: wrong rows ({total} != {expected})")
+
+    for m, n in ((4, 2), (2, 4)):
+        p_pool, c_pool = system.split_pool([m, n])
+        producers, consumers = system.group_on(p_pool), system.group_on(c_pool)
+        times, per_rank = [], []
+        for rep in range(PLANE_REPS["reshard"] + 1):
+            fut = producers.produce(seed)
+            _wait_all(system, fut)
+            before = consumers.rx()
+            t = time.perf_counter()
+            metrics = consumers.consume(fut)
+            elapsed = time.perf_counter() - t
+            after = consumers.rx()
+            check(metrics, f"reshard {m}->{n}")
+            if rep:
+                times.append(elapsed)
+                per_rank.append(max(b - a for a, b in zip(before, after)))
+            del fut
+        samples[f"reshard {m}->{n}"] = times
+        extra[f"reshard {m}->{n}"] = {"max_rank_rx": per_rank, "share": batch_bytes / n}
+        system.close_group(producers)
+        system.close_group(consumers)
+        system.close_pool(p_pool)
+        system.close_pool(c_pool)
+
+    # Chain: P (dp 2) produces, derives y, the union of both (x, y, id) feeds C (dp 2).
+    p_pool, c_pool = system.split_pool([2, 2])
+    producers, consumers = system.group_on(p_pool), system.group_on(c_pool)
+    times, driver_rx, growth = [], [], []
+    for rep in range(PLANE_REPS["chain"] + 1):
+        r0, _ = tcp_bytes()
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            fa = producers.produce(seed)
+            fb = producers.derive(fa)
+            if name == "daskwg":
+                batch = fa.union(fb).select(batch_keys=["x", "y", "id"])
+            else:  # verl's DataProtoFuture has no union/select: the driver materialises both
+                batch = fa.get().union(fb.get()).select(batch_keys=["x", "y", "id"])
+            metrics = consumers.consume(batch)
+            elapsed = time.perf_counter() - t
+        r1, _ = tcp_bytes()
+        check(metrics, "chain")
+        if rep:
+            times.append(elapsed)
+            driver_rx.append(r1 - r0)
+            growth.append(mem.peak - mem.baseline)
+        del fa, fb, batch
+    samples["chain union/select"] = times
+    extra["chain union/select"] = {"driver_rx": driver_rx, "rss_growth": growth, "batch": batch_bytes}
+    system.close_group(consumers)
+
+    # Non-blocking round trip from the driver: P.echo_async(batch).get().
+    data = system.DataProto.from_dict(tensors={"x": torch.ones(rows, COLS), "id": torch.arange(rows)})
+    times, held = [], []
+    for rep in range(PLANE_REPS["roundtrip"] + 1):
+        t = time.perf_counter()
+        fut = producers.echo_async(data)
+        if name == "daskwg":
+            held.append(system.client.run_on_scheduler(_task_spec_bytes))
+        out = fut.get()
+        elapsed = time.perf_counter() - t
+        if not torch.equal(out.batch["x"], data.batch["x"]):
+            raise AssertionError("round trip changed the batch")
+        if rep:
+            times.append(elapsed)
+        del fut, out
+    samples["driver round trip"] = times
+    extra["driver round trip"] = {"scheduler_task_bytes": held}
+    system.close_group(producers)
+    system.close_pool(p_pool)
+    system.close_pool(c_pool)
+
+    # A 16-element view of a big tensor, returned, against a 16-element clone.
+    pool = system.pool(1)
+    wg = system.group_on(pool)
+    wg.make_big(VIEW_ELEMENTS)
+    for label, fn in (("view of big tensor", wg.view), ("16-element clone", wg.view_clone)):
+        times = []
+        for rep in range(PLANE_REPS["view"] + 1):
+            t = time.perf_counter()
+            out = fn()
+            if rep:
+                times.append(time.perf_counter() - t)
+        samples[label] = times
+        extra[label] = {"bytes": int(out[0].numel() * out[0].element_size())}
+    system.close_group(wg)
+    system.close_pool(pool)
+    system.stop()
+    return {"samples": samples, "extra": extra, "view_elements": VIEW_ELEMENTS, "rows": rows}
+
+
+def _task_spec_bytes(dask_scheduler) -> int:
+    import pickle
+
+    return sum(len(pickle.dumps(ts.run_spec)) for ts in dask_scheduler.tasks.values() if ts.run_spec)
+
+
+def build_plane_report(d: dict, v: dict | None) -> tuple[str, dict]:
+    """The data-plane table (daskwg and, where given, verl) and its verdicts."""
+    verdicts = {}
+    lines = [
+        "| data plane | daskwg median (min–max) | verl median (min–max) | daskwg/verl | bytes |",
+        "|---|---|---|---|---|",
+    ]
+    for key, ds in d["samples"].items():
+        vs = v["samples"].get(key) if v else None
+        ratio = f"{statistics.median(ds) / statistics.median(vs):.2f}" if vs else ""
+        e = d["extra"].get(key, {})
+        notes = ""
+        if key.startswith("reshard"):
+            worst = max(e["max_rank_rx"]) / e["share"]
+            notes = f"daskwg: max received by a consumer rank {worst:.2f}× its share"
+            if v:
+                ve = v["extra"][key]
+                notes += (
+                    f"; verl: {max(ve['max_rank_rx']) / ve['share']:.2f}× (TCP only; Ray uses shared memory)"
+                )
+            verdicts[f"{key} bytes ≤ 1.25× share"] = worst <= 1.25
+            if vs:
+                verdicts[f"{key} time ≤ 0.25× verl"] = statistics.median(ds) <= 0.25 * statistics.median(vs)
+        elif key == "chain union/select":
+            share = max(e["driver_rx"]) / e["batch"]
+            notes = (
+                f"daskwg driver+scheduler received {fmt_b(max(e['driver_rx']))} ({share:.1%} of the batch)"
+            )
+            if v:
+                ve = v["extra"][key]
+                notes += (
+                    f"; verl driver {fmt_b(max(ve['driver_rx']))}, RSS growth {fmt_b(max(ve['rss_growth']))}"
+                )
+            verdicts["chain < 1% through the driver"] = share < 0.01
+        elif key == "driver round trip":
+            notes = f"scheduler holds {fmt_b(max(e['scheduler_task_bytes']))} of task specs"
+            verdicts["scheduler holds < 1 MiB"] = max(e["scheduler_task_bytes"]) < MB
+        lines.append(f"| {key} | {cell(ds)} | {cell(vs) if vs else 'n/a'} | {ratio} | {notes} |")
+    view, clone = d["samples"].get("view of big tensor"), d["samples"].get("16-element clone")
+    if view and clone:
+        verdicts["view costs ≤ 1.5× a clone"] = statistics.median(view) <= 1.5 * statistics.median(clone)
+    return "\n".join(lines), verdicts
 
 
 def batch(system, shape) -> Any:
@@ -519,6 +766,19 @@ DISCUSSION = """\
 * Driver memory: RSS polled every millisecond by a thread (and `ru_maxrss`) in a fresh
   process; "growth" is the peak minus the RSS just before the batch was created, so
   the batch itself counts as 1×.
+* Data plane (a separate driver subprocess per system, 6 Dask workers / Ray actors,
+  producers and consumers on different processes, a `[4096, 4096]` float32 batch):
+  *reshard m→n* times the consuming `DP_COMPUTE_METRIC` call on a finished
+  `DataProtoFuture` of a dp-`m` group, consumed by a dp-`n` group, and reports the most
+  any consumer process received over TCP (`TCP_INFO`, read by a method of the rank
+  itself) against its share of the batch; Ray can move objects between same-host
+  processes through shared memory, which no socket counter sees. *chain union/select*:
+  `produce` (`blocking=False`), `derive` on its output, the union of both selected to
+  `x, y, id` and consumed by a second group; daskwg composes the futures lazily, verl
+  (whose `DataProtoFuture` has no `union`/`select`) materialises both in the driver.
+  *driver round trip*: `echo_async(batch).get()`, with the bytes of task specs the Dask
+  scheduler holds meanwhile. *view*: a rank returns `self.big[:16]` of a 1 GiB tensor,
+  next to returning a 16-element clone.
 * Group creation: a 4-rank group on an already started runtime, plus its first call.
   For Ray that includes starting one actor process per rank (that is what a
   `RayWorkerGroup` is); Dask workers already exist and the group instantiates the class
@@ -586,6 +846,10 @@ def main() -> None:
     parser.add_argument("--systems", default="daskwg,verl")
     parser.add_argument("--child", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plane", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--only-plane", action="store_true", help="run only the data-plane cases (reshard, chain, views)"
+    )
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
@@ -594,11 +858,20 @@ def main() -> None:
     args = parser.parse_args()
     ranks = tuple(int(r) for r in args.ranks.split(","))
     if args.quick:
+        global PLANE_ROWS, VIEW_ELEMENTS
         for k in REPS:
             REPS[k] = max(1, REPS[k] // 10)
+        for k in PLANE_REPS:
+            PLANE_REPS[k] = 1
+        PLANE_ROWS, VIEW_ELEMENTS = 1024, 1 << 24
 
     if args.child:
-        result = run_rss_child(args.child, max(ranks)) if args.rss else run_child(args.child, ranks)
+        if args.plane:
+            result = run_plane_child(args.child)
+        elif args.rss:
+            result = run_rss_child(args.child, max(ranks))
+        else:
+            result = run_child(args.child, ranks)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return
@@ -609,13 +882,26 @@ def main() -> None:
             saved = json.load(f)
         res, rss, wall = saved["results"], saved["rss"], saved["wall_s"]
         report, verdicts = build_report(res, rss, saved["machine"])
+        if saved.get("plane"):
+            plane = saved["plane"]
+            table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
+            report += "\n\n" + table
+            verdicts.update(plane_verdicts)
         print(report)
         if args.write:
             write_report(args.write, report, verdicts, res, saved["machine"], wall)
         return
     passthrough = ["--ranks", args.ranks] + (["--quick"] if args.quick else [])
     systems = args.systems.split(",")
-    res, rss = {}, {}
+    res, rss, plane = {}, {}, {}
+    for name in systems:
+        print(f"[bench] {name}: data plane", flush=True)
+        plane[name] = spawn(["--child", name, "--plane", *passthrough])
+    if args.only_plane:
+        table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
+        print(table)
+        print("\nmet:", plane_verdicts)
+        return
     for name in systems:
         print(f"[bench] {name}: timings", flush=True)
         res[name] = spawn(["--child", name, *passthrough])
@@ -624,7 +910,9 @@ def main() -> None:
     mach = machine()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": res, "rss": rss, "machine": mach, "wall_s": time.time() - t0}, f)
+            json.dump(
+                {"results": res, "rss": rss, "plane": plane, "machine": mach, "wall_s": time.time() - t0}, f
+            )
     if set(systems) != {"daskwg", "verl"}:
         for name in systems:
             for key, samples in res[name]["samples"].items():
@@ -633,6 +921,9 @@ def main() -> None:
             print(f"{name:7s} rss growth/batch {(r['peak'] - r['baseline']) / r['batch_bytes']:.2f}")
         return
     report, verdicts = build_report(res, rss, mach)
+    table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
+    report += "\n\n" + table
+    verdicts.update(plane_verdicts)
     print(report)
     print("\nmet:", {k: v for k, v in verdicts.items()})
     if args.write:

@@ -49,8 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask.config
-import numpy as np
-import torch
 import torch.distributed as dist
 from distributed import get_worker
 from distributed.comm.addressing import get_address_host
@@ -58,7 +56,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 from distributed.worker_state_machine import SecedeEvent
 
-from . import serialization  # also installs the tensor serializer in workers
+from . import parts, serialization  # serialization also installs the tensor serializer in workers
 from .errors import GroupBrokenError, RankError
 from .metrics import CallMetrics, payload_nbytes
 
@@ -383,6 +381,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
         worker.handlers["daskwg_metrics"] = self._handle_metrics
+        parts.install(worker)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -741,8 +740,7 @@ class HostPlugin(WorkerPlugin):
                 result = hosted.rank_loop.run(result)
         finally:
             self._note_process_group(call, hosted.world_size)
-        _check_picklable(result, call)
-        return result
+        return _snapshot(result, call, (payload[0], payload[1], args, kwargs))
 
     # ---- torch.distributed's one default process group per process ---------------------
 
@@ -793,11 +791,11 @@ class HostPlugin(WorkerPlugin):
             resolved_args = []
             for a in args:
                 current = a
-                resolved_args.append(_resolve(a, lazy_values))
+                resolved_args.append(_resolve(a, lazy_values, self.worker))
             resolved_kwargs = {}
             for k, v in kwargs.items():
                 current = v
-                resolved_kwargs[k] = _resolve(v, lazy_values)
+                resolved_kwargs[k] = _resolve(v, lazy_values, self.worker)
         except Exception as exc:  # noqa: BLE001
             source = getattr(current, "source", "") or "an earlier call"
             raise RankError(
@@ -847,28 +845,34 @@ def _bind_worker(worker: Any) -> None:
         cvar.set(worker)
 
 
-def _resolve(value: Any, lazy_values: list) -> Any:
+def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
     if isinstance(value, LazyArg):
-        parts = lazy_values[value.index]
-        if len(parts) == 1:
+        values = lazy_values[value.index]
+        if len(values) == 1:
             # A part produced on this worker arrives as the very object Dask keeps for
             # its future: a method that changes its argument in place would change the
             # future's value for every later reader. Several parts are concatenated,
             # which copies them anyway.
-            parts = [copy.deepcopy(parts[0])]
-        return value.transform(parts)
+            only = values[0]
+            values = [
+                serialization.loads(only, copy=True)
+                if isinstance(only, serialization.Packed)
+                else copy.deepcopy(only)
+            ]
+        else:
+            values = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in values]
+        with parts.fetching_on(worker):
+            return value.transform(values)
     return value
 
 
-def _check_picklable(result: Any, call: Call) -> None:
-    """Fail with a clear error now rather than inside Dask's comm layer later."""
-    if result is None or isinstance(result, (int, float, str, bytes, bool, np.ndarray, torch.Tensor)):
-        return
-    if type(result).__name__ == "DataProto":
-        # Its tensors always serialise; what may not are meta_info and object arrays.
-        result = (result.meta_info, result.non_tensor_batch)
+def _snapshot(result: Any, call: Call, arguments: tuple) -> Any:
+    """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
+    a clear error now rather than inside Dask's comm layer later."""
     try:
-        pickle.dumps(result, protocol=5, buffer_callback=lambda _: None)
+        # Held by _invoke's local and this argument; the call's argument containers
+        # are alive but change nothing.
+        return serialization.snapshot(result, held=2, arguments=arguments)
     except Exception as exc:  # noqa: BLE001
         raise TypeError(
             f"{call.group_name}.{call.method} on rank {call.rank} returned a "
@@ -968,11 +972,14 @@ def _picklable_error(exc: BaseException) -> BaseException:
 async def run_call(call: Call, payload: Any, lazy_values: list | None = None, task_key: Any = None) -> Any:
     """The task function of the Dask-task path: run ``call`` on this worker's host.
 
-    ``lazy_values`` are the materialised parts of ``DataProtoFuture`` arguments (Dask
-    resolved them before the task started). An ``async def`` task runs on the worker's
-    event loop, so a call waiting for its turn holds no thread; it leaves Dask's
-    count of executing tasks at once (as ``distributed.secede`` does for threads), so
-    later calls, which Dask may start first, can take their places in the order.
+    ``payload`` is ``("inline", pickle bytes)`` or ``("scattered", value)`` (sent
+    straight to this worker beforehand, see ``daskwg.transport``). ``lazy_values``
+    are what Dask resolved for ``DataProtoFuture`` arguments before the task started
+    (their parts, or their :class:`daskwg.parts.PartInfo`). An ``async def`` task runs
+    on the worker's event loop, so a call waiting for its turn holds no thread; it
+    leaves Dask's count of executing tasks at once (as ``distributed.secede`` does for
+    threads), so later calls, which Dask may start first, can take their places in the
+    order.
     """
     worker = get_worker()
     host = worker.plugins.get(PLUGIN_NAME)
@@ -980,6 +987,7 @@ async def run_call(call: Call, payload: Any, lazy_values: list | None = None, ta
         raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
     if task_key is not None:
         _leave_executing(worker, task_key)
+    payload = _unwrap_payload(payload)
     try:
         return await asyncio.wrap_future(host.enqueue(call, payload, lazy_values))
     except RankError as exc:
@@ -993,3 +1001,8 @@ def _leave_executing(worker: Any, key: Any) -> None:
         worker.handle_stimulus,
         SecedeEvent(key=key, compute_duration=0.0, stimulus_id=f"daskwg-secede-{time.time()}"),
     )
+
+
+def _unwrap_payload(payload: tuple) -> Any:
+    kind, value = payload
+    return pickle.loads(value) if kind == "inline" else value

@@ -17,6 +17,15 @@ this driver, and the worker runs calls strictly in that order whichever way they
   ``pure=False``, no retries), named ``"<group>.<method>-<call>-r<rank>-<id>"`` on the
   dashboard. Their results stay on the workers as Dask futures, and futures passed to
   the next call move worker to worker.
+
+The scheduler never holds a batch and never unpickles anything of torch or daskwg:
+a task's function and small arguments travel as opaque pickle bytes (the task is
+``dask.utils.apply(pickle.loads(bytes), args)``), and arguments over
+``daskwg.scatter-above`` bytes are sent by the driver straight to the rank's worker
+(``client.scatter(..., workers=[address], direct=True)``) and referenced by key.
+A ``DataProtoFuture`` argument reaches a rank as one small
+:class:`daskwg.parts.PartInfo` per part; the rank then fetches only its rows from the
+workers holding them (``daskwg.parts``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import pickle
@@ -37,16 +47,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask.config
-from dask.utils import format_bytes
+from dask._task_spec import Task
+from dask.utils import apply, format_bytes
 from distributed import Client, Future
 from distributed import wait as dask_wait
 from distributed.client import FuturesCancelledError
 from distributed.comm.core import CommClosedError
 from distributed.core import ConnectionPool
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import loads as _pickle_loads
+
+import _daskwg_task
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from . import forensics, serialization  # serialization also installs the tensor serializer
+from . import forensics, parts, serialization  # serialization also installs the tensor serializer
 from .dashboard import DashboardPlugin
 from .deadlines import Limit, current_limit
 from .errors import (
@@ -116,6 +130,10 @@ class Driver:
         self.plugins_ready = False
         self.call_numbers = itertools.count()
         self.local = threading.local()
+        #: task key -> the worker address it is pinned to, while its future lives.
+        self.placement: dict[str, str] = {}
+        #: part key -> future of its ``parts.PartInfo``, while the part's future lives.
+        self.part_infos: dict[str, Future] = {}
 
     @classmethod
     def of(cls, client: Client) -> Driver:
@@ -585,8 +603,9 @@ class GroupTransport:
             CallTimeoutError: a blocking call passed its deadline.
         """
         lazies: list[list[list]] = [[] for _ in ranks]
+        keep: list = []
         if not raw_payload:
-            payloads = [_extract_lazies(p, lz) for p, lz in zip(payloads, lazies)]
+            payloads = [_extract_lazies(p, lz, self._part_infos, keep) for p, lz in zip(payloads, lazies)]
         direct = blocking and not any(lazies)
         # Packed (or, for a task, test-packed) before the call takes its place in the
         # order: an argument that cannot be pickled fails here, naming it, and no rank
@@ -631,7 +650,7 @@ class GroupTransport:
             except (KeyboardInterrupt, asyncio.CancelledError):
                 self._abandon_calls(calls, "interrupted")
                 raise
-        futures = self._submit(calls, payloads, lazies)
+        futures = self._submit(calls, payloads, lazies, keep)
         if blocking:
             return self.gather(futures, method_name, grace, limit=limit)
         return futures
@@ -749,26 +768,24 @@ class GroupTransport:
         self.worker_lost(slot.address, reason)
         return self.broken or WorkerLostError(call.rank, slot.address, reason)
 
-    def _submit(self, calls: list[Call], payloads: list, lazies: list[list[list]]) -> list[Future]:
+    def _submit(
+        self, calls: list[Call], payloads: list, lazies: list[list[list]], keep: Sequence[Future] = ()
+    ) -> list[Future]:
         call_no = next(self.driver.call_numbers)
         futures = []
         try:
-            for call, payload, call_lazies in zip(calls, payloads, lazies):
+            keys = [f"{self.name}.{call.method}-{call_no}-r{call.rank}-{self.group_id[:8]}" for call in calls]
+            staged = self._stage(keys, [self.slots[c.rank].address for c in calls], payloads)
+            for call, key, payload, call_lazies in zip(calls, keys, staged, lazies):
                 address = self.slots[call.rank].address
-                key = f"{self.name}.{call.method}-{call_no}-r{call.rank}-{self.group_id[:8]}"
-                future = self.client.submit(
-                    run_call,
-                    call,
-                    payload,
-                    call_lazies or None,
-                    key,
-                    key=key,
-                    workers=[address],
-                    allow_other_workers=False,
-                    pure=False,
-                    retries=0,
+                future = self._submit_task(
+                    functools.partial(run_call, call), (payload, call_lazies or None, key), key, address
                 )
                 _tag(future, call)
+                if keep:
+                    # The parts this call fetches rows of must outlive the call, even if the
+                    # driver drops their DataProtoFuture right after this returns.
+                    future.add_done_callback(functools.partial(_hold, tuple(keep)))
                 future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
                 self.driver.submitted[future] = (time.monotonic(), call.rank, call.method)
                 self.driver.inflight[self.slots[call.rank].server_id].add(future)
@@ -780,17 +797,84 @@ class GroupTransport:
             raise
         return futures
 
+    def _submit_task(self, fn: Any, args: tuple, key: str, address: str | None) -> Future:
+        """Submit ``fn(*args)`` as a Dask task pinned to ``address``, without retries.
+
+        ``fn`` (and whatever it binds) travels as pickle bytes the scheduler does not
+        open: the scheduler's environment needs neither torch nor daskwg.
+        """
+        if inspect.iscoroutinefunction(fn):
+            # A coroutine function must be the task's own function for Dask to run it on
+            # the worker's event loop: _daskwg_task.run, which needs no torch either.
+            func, task_args = _daskwg_task.run, (serialization.inline(fn), *args)
+        else:
+            func, task_args = apply, (Task(None, _pickle_loads, serialization.inline(fn)), args)
+        future = self.client.submit(
+            func,
+            *task_args,
+            key=key,
+            workers=None if address is None else [address],
+            allow_other_workers=False,
+            pure=False,
+            retries=0,
+        )
+        if address is not None:
+            placement = self.driver.placement
+            placement[key] = address
+            weakref.finalize(future, placement.pop, key, None)
+        return future
+
+    def _stage(self, keys: list[str], addresses: list[str], payloads: list) -> list[tuple]:
+        """Per call, ``("inline", bytes)`` for a small payload, or ``("scattered",
+        future)`` for one sent straight to its worker (never through the scheduler)."""
+        limit = int(dask.config.get("daskwg.scatter-above"))
+        packed = [serialization.dumps(p) for p in payloads]
+        big = [i for i, pk in enumerate(packed) if pk.nbytes > limit]
+        staged: list[tuple] = [
+            ("inline", serialization.inline(p)) if i not in big else None for i, p in enumerate(payloads)
+        ]
+        if big:
+            items = [(f"{keys[i]}-args", packed[i], addresses[i]) for i in big]
+            for i, future in zip(big, self.client.sync(self._scatter, items)):
+                staged[i] = ("scattered", future)
+        return staged
+
+    async def _scatter(self, items: list[tuple[str, Any, str]]) -> list[Future]:
+        scattered = await asyncio.gather(
+            *(
+                self.client._scatter({name: value}, workers=[address], direct=True)
+                for name, value, address in items
+            )
+        )
+        return [s[name] for s, (name, _, _) in zip(scattered, items)]
+
+    def _part_infos(self, future: DataProtoFuture) -> list[Future]:
+        """A ``parts.PartInfo`` future for every part ``future`` reads, each computed
+        once, next to its part."""
+        _, part_futures = future.plan()
+        infos = []
+        for part in part_futures:
+            key = str(part.key)
+            info = self.driver.part_infos.get(key)
+            if info is None or info.status in ("cancelled", "lost"):
+                info = self._submit_task(
+                    functools.partial(parts.part_info, key=part.key),
+                    (part,),
+                    f"{key}-rows-{next(self.driver.call_numbers)}",
+                    self.driver.placement.get(key),
+                )
+                self.driver.part_infos[key] = info
+                weakref.finalize(part, self.driver.part_infos.pop, key, None)
+            infos.append(info)
+        return infos
+
     def _skip_if_not_run(self, address: str, seq: int, future: Future) -> None:
         status = future.status
         if status == "finished":
             return
-        if status == "error":
-            try:
-                exc = future.exception(timeout=5)
-            except Exception:  # noqa: BLE001
-                exc = None
-            if isinstance(exc, RankError):
-                return  # it ran (and raised) on its rank: its place in the order is used
+        # Also after a RankError: it may be the error of a call this one depended on (a
+        # DataProtoFuture's producer), in which case this call never reached its rank.
+        # Skipping a call that ran is a no-op on the worker.
         self.client.loop.add_callback(self._send_skip, address, [seq])
 
     async def _send_skip(self, address: str, seqs: list[int]) -> None:
@@ -1132,18 +1216,41 @@ def _source_of(futures: Sequence[Any]) -> str:
     return f"{known[0].group_name}.{known[0].method} (ranks {ranks})"
 
 
-def _extract_lazies(payload: tuple, lazies: list[list]) -> tuple:
+def _hold(keep: tuple, future: Future) -> None:
+    """Done callback whose only job is to keep ``keep`` referenced until then."""
+
+
+def _extract_lazies(payload: tuple, lazies: list[list], part_infos: Any, keep: list) -> tuple:
     """Replace ``DataProtoFuture`` arguments by :class:`LazyArg` placeholders.
 
-    Their Dask futures are appended to ``lazies`` (a list the Dask task takes as an
-    argument, so Dask resolves them on the worker).
+    What the rank needs of them is appended to ``lazies`` (a list the Dask task takes
+    as an argument, so Dask resolves it on the worker): for a future that is a row
+    range, a union or otherwise transformed, one ``parts.PartInfo`` future per part
+    (``part_infos(future)``), the rank fetching only its rows itself, and the parts'
+    futures go to ``keep``; for a single whole part, the part itself.
+
+    Raises:
+        ValueError: a transformed future whose parts are not plainly concatenated.
     """
     args, kwargs = payload
 
     def swap(value: Any) -> Any:
-        if isinstance(value, DataProtoFuture):
-            lazies.append(list(value.futures))
-            return LazyArg(len(lazies) - 1, value.transform, _source_of(value.futures))
-        return value
+        if not isinstance(value, DataProtoFuture):
+            return value
+        whole_part = len(value.futures) == 1 and not (value.ops or value.rows is not None or value.pad_size)
+        if value.row_addressable and not whole_part:
+            plan, part_futures = value.plan()
+            lazies.append(part_infos(value))
+            keep.extend(part_futures)
+            return LazyArg(
+                len(lazies) - 1, functools.partial(parts.evaluate_on_worker, plan), _source_of(part_futures)
+            )
+        if value.ops or value.rows is not None:
+            raise ValueError(
+                "union/select/repeat/rename/chunk need a DataProtoFuture whose parts are concatenated "
+                "(the default collect_fn) and no dispatch_fn"
+            )
+        lazies.append(list(value.futures))
+        return LazyArg(len(lazies) - 1, value.transform, _source_of(value.futures))
 
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}

@@ -88,7 +88,10 @@ class CLICluster:
         extra_worker: list[str] = (),
         host: str = "127.0.0.1",
         protocol: str = "tcp",
+        scheduler_path: str | None = None,
     ):
+        """``scheduler_path``: a directory put first on the scheduler's ``PYTHONPATH``
+        only (e.g. one whose ``torch`` package fails to import)."""
         port = free_port()
         url_host = f"[{host}]" if ":" in host else host
         self.address = f"{protocol}://{url_host}:{port}"
@@ -96,6 +99,9 @@ class CLICluster:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
         }
+        scheduler_env = env
+        if scheduler_path is not None:
+            scheduler_env = {**env, "PYTHONPATH": os.pathsep.join([scheduler_path, env["PYTHONPATH"]])}
         self.procs = [
             subprocess.Popen(
                 [
@@ -111,7 +117,7 @@ class CLICluster:
                     protocol,
                     *extra_scheduler,
                 ],
-                env=env,
+                env=scheduler_env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -1,0 +1,135 @@
+"""Worker classes and byte counters for the data-plane tests (importable by reference
+in worker processes)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import torch
+
+from daskwg import DataProto, Dispatch, Worker, register
+
+
+def tcp_bytes_received() -> int:
+    """Bytes this process received over all its TCP sockets (Linux ``TCP_INFO``
+    ``tcpi_bytes_received``), whatever library read them."""
+    import psutil
+
+    total = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.fd < 0:
+            continue
+        try:
+            sock = socket.socket(fileno=conn.fd)
+        except OSError:
+            continue
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+        except OSError:
+            continue
+        finally:
+            sock.detach()
+        if len(info) >= 136:
+            total += struct.unpack_from("Q", info, 128)[0]
+    return total
+
+
+class Producer(Worker):
+    """Makes batches whose row ``i`` is known: ``id == i`` and ``x[i, :] == i``."""
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make(self, seed: DataProto) -> DataProto:
+        ids = seed.batch["id"]
+        cols = seed.meta_info.get("cols", 4)
+        x = ids.to(torch.float32)[:, None].expand(-1, cols).contiguous()
+        return DataProto.from_dict(
+            {"id": ids.clone(), "x": x, "noise": torch.zeros(len(ids), cols)},
+            non_tensors={"tag": np.array([f"row{i}" for i in ids.tolist()], dtype=object)},
+            meta_info={"producer_world": self.world_size},
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make_or_fail(self, seed: DataProto) -> DataProto:
+        if self.rank == 0:
+            raise ValueError("rank 0 cannot make its rows")
+        return DataProto.from_dict({"id": seed.batch["id"].clone()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def derive(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"y": data.batch["id"] * 10})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def echo_async(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def echo(self, data: DataProto) -> DataProto:
+        return data
+
+
+class Consumer(Worker):
+    """Summarises the rows it got, so the driver never sees the batch."""
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def summary(self, data: DataProto) -> dict:
+        out = {
+            "ids": data.batch["id"].tolist(),
+            "keys": sorted(data.batch.keys()),
+            "non_tensor": sorted(data.non_tensor_batch),
+            "meta": dict(data.meta_info),
+        }
+        if "x" in data.batch.keys():
+            out["x_ok"] = bool((data.batch["x"] == data.batch["id"].to(torch.float32)[:, None]).all())
+        if "y" in data.batch.keys():
+            out["y"] = data.batch["y"].tolist()
+        if "tag" in data.non_tensor_batch:
+            out["tag"] = list(data.non_tensor_batch["tag"])
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def ids(self, data: DataProto) -> DataProto:
+        return data.select(batch_keys=["id"])
+
+
+class Stateful(Worker):
+    """Keeps tensors that later calls change in place."""
+
+    def __init__(self, big_elements: int = 1 << 20):
+        super().__init__()
+        self.w = torch.zeros(4)
+        self.big = torch.arange(big_elements, dtype=torch.float32)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def weights_async(self) -> dict:
+        return {"w": self.w}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights(self) -> dict:
+        return {"w": self.w}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def step(self) -> None:
+        self.w.add_(1)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def head(self, n: int) -> torch.Tensor:
+        return self.big[:n]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def head_async(self, n: int) -> torch.Tensor:
+        return self.big[:n]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def total(self, *args, **kwargs) -> float:
+        values = [*args, *kwargs.values()]
+        return float(sum(v.to_dense().sum() if v.layout != torch.strided else v.sum() for v in values))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def same(self, value):
+        return value
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def same_async(self, value):
+        return value
