@@ -74,7 +74,8 @@ class WorkerGroup:
 
     Every method of the class marked with :func:`daskwg.register` becomes an attribute
     of the group that dispatches, executes and collects as its mode says. Mirrors
-    verl's ``RayWorkerGroup``.
+    verl's ``RayWorkerGroup``. A non-detached group that is garbage-collected without
+    :meth:`shutdown` releases its ranks, as a Ray actor dies with its last handle.
     """
 
     def __init__(

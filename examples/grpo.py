@@ -55,14 +55,14 @@ step K is in flight. The driver gets ``WorkerLostError``, builds the groups agai
 nanny has restarted the worker, reloads the last checkpoint (``--checkpoint-every``) and
 carries on.
 
-Run it on a local cluster (started for you)::
+Run it on a local cluster (``dask scheduler`` and ``dask worker`` started for you)::
 
     python examples/grpo.py                       # colocated, 4 ranks
     python examples/grpo.py --placement split     # 2 rollout + 4 trainer ranks
     python examples/grpo.py --kill-worker-at-step 10
 
-or on a cluster you started with the ``dask`` command line (checkpoints must then be on a
-file system every worker sees)::
+or on a cluster you started (on several machines, checkpoints must be on a file system
+every worker sees; on GPUs, with ``dask cuda worker``)::
 
     dask scheduler --port 8786 &
     dask worker tcp://127.0.0.1:8786 --nworkers 4 --nthreads 1 &
@@ -79,11 +79,12 @@ import argparse
 import contextlib
 import hashlib
 import json
-import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -949,41 +950,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _serve_local_cluster(n_workers: int, conn) -> None:
-    with daskwg.local_cluster(n_workers=n_workers, dashboard_address=":0") as cluster:
-        conn.send((cluster.scheduler_address, cluster.dashboard_link))
-        try:
-            conn.recv()  # "stop", or EOFError when the driver is gone
-        except EOFError:
-            pass
-
-
 @contextlib.contextmanager
 def local_cluster_process(n_workers: int, timeout: float = 600.0):
-    """``daskwg.local_cluster(n_workers)`` in a child process; yields its scheduler address.
+    """A scheduler and ``n_workers`` worker processes (one thread each, under nannies)
+    started with the ``dask`` command line, as on a real cluster; yields the scheduler's
+    address and stops them on exit.
 
-    The scheduler then lives outside the driver process, as on a real cluster, so the
-    driver's socket counters see only what the driver itself receives (an in-process
-    ``LocalCluster`` would add the scheduler's and nannies' traffic with every worker).
+    Outside the driver process, so the driver's socket counters see only what the driver
+    itself receives (an in-process ``LocalCluster`` would add the scheduler's and nannies'
+    traffic). On GPUs, start ``dask cuda worker`` yourself and pass ``--scheduler``.
     """
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    process = context.Process(target=_serve_local_cluster, args=(n_workers, child_conn), name="local-cluster")
-    process.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable))
+    dask_cli = [exe] if exe else [sys.executable, "-m", "dask"]
+    common = ["--dashboard-address", ":0"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [
+        subprocess.Popen(
+            [*dask_cli, "scheduler", "--host", "127.0.0.1", "--port", str(port), *common], **quiet
+        )
+    ]
+    procs.append(
+        subprocess.Popen(
+            [
+                *dask_cli,
+                "worker",
+                address,
+                "--nworkers",
+                str(n_workers),
+                "--nthreads",
+                "1",
+                "--host",
+                "127.0.0.1",
+                *common,
+            ],
+            **quiet,
+        )
+    )
     try:
-        if not conn.poll(timeout):
-            raise RuntimeError(f"the local cluster did not start within {timeout} s")
-        address, dashboard = conn.recv()
-        print(f"local cluster of {n_workers} workers at {address} (dashboard {dashboard})")
+        print(f"local cluster of {n_workers} workers (dask scheduler + dask worker) at {address}")
         yield address
     finally:
-        try:
-            conn.send("stop")
-        except OSError:
-            pass
-        process.join(60)
-        if process.is_alive():
-            process.terminate()
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -994,8 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         address = args.scheduler or stack.enter_context(local_cluster_process(n_workers))
-        client = stack.enter_context(Client(address))
-        client.wait_for_workers(n_workers, timeout=120)
+        client = stack.enter_context(Client(address, timeout=600))
+        client.wait_for_workers(n_workers, timeout=600)
         status = fit(client, args)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return status
