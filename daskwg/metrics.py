@@ -45,6 +45,10 @@ def payload_nbytes(obj: Any, _depth: int = 0) -> int:
         return obj.nelement() * obj.element_size()
     if isinstance(obj, np.ndarray):
         return int(obj.nbytes)
+    if hasattr(obj, "header") and hasattr(obj, "buffers"):
+        # A result snapshotted at return (serialization.Packed): its out-of-band buffers
+        # are the tensors' and arrays' bytes.
+        return sum(memoryview(b).nbytes for b in obj.buffers)
     if isinstance(obj, (list, tuple)):
         return sum(payload_nbytes(v, _depth + 1) for v in obj)
     if isinstance(obj, Mapping):
