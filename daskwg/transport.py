@@ -1069,7 +1069,8 @@ class GroupTransport:
             for r, seq, s in zip(ranks, seqs, slots)
         ]
         try:
-            await self._send_direct(self.client.rpc, calls, [None] * len(calls), 0.0, False)
+            packed = [serialization.pack(None)] * len(calls)  # the direct path sends packed payloads
+            await self._send_direct(self.client.rpc, calls, packed, 0.0, False)
         except Exception as exc:  # noqa: BLE001 - best effort, nobody waits on it
             logger.info("group %s: releasing the dropped group's ranks failed: %s", self.name, exc)
         else:
