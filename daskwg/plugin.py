@@ -927,7 +927,7 @@ _SIGNAL_THREAD = "signal only works in main thread"
 def _runtime_hint(exc: BaseException) -> str | None:
     """A message saying what to do, for errors that come from where rank code runs
     rather than from the code itself."""
-    text = " ".join(str(e) for e in _exception_chain(exc))
+    text = " ".join(_safe_str(e) for e in _exception_chain(exc))
     if _DAEMONIC in text:
         return (
             f"{_DAEMONIC}: this Dask worker process was started as a daemon (Dask's default for workers "
@@ -938,7 +938,7 @@ def _runtime_hint(exc: BaseException) -> str | None:
         )
     if _SIGNAL_THREAD in text:
         return (
-            f"{exc}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
+            f"{_safe_str(exc)}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
             "loop thread), not on the process's main thread, so it cannot install signal handlers. For "
             "constructors that only register SIGTERM/SIGINT handlers, build the group with "
             'dask.config.set({"daskwg.skip-signal-handlers": True}); for timeouts use the API\'s own '
