@@ -83,11 +83,13 @@ def test_a_conflict_found_by_the_next_method_still_names_the_method_that_produce
     future = ported_wg.tag_rank_async(four_rows())
     with pytest.raises(RankError) as info:
         ported_wg.count_rows(future)
-    assert info.value.method == "count_rows"
+    # The failure is blamed on the producing call, as the input of the consuming one.
+    assert "tag_rank_async (ranks 0, 1)" in info.value.method
+    assert "the input of 'count_rows'" in info.value.method
     assert isinstance(info.value.exception, AssertionError)
     message = str(info.value)
-    assert "collecting the outputs of 'tag_rank_async'" in message
-    assert "rank 0: 0, rank 1: 1" in message
+    # Built on the consuming rank, the parts are the producer's ranks in order.
+    assert "'gen_rank'" in message and "part 0: 0, part 1: 1" in message
 
 
 def test_per_rank_values_under_metrics_are_merged_not_refused(ported_wg):
