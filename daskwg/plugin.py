@@ -474,6 +474,9 @@ class HostPlugin(WorkerPlugin):
                 port = hosted.env.get("MASTER_PORT")
                 if key[1] == 0 and port is not None:
                     self._reserved_ports.discard(int(port))
+        # On the host thread, so it waits for a call of those ranks still running there.
+        for group_id in {gid for gid, _ in keys}:
+            self._executor.submit(self._drop_process_group, group_id)
         self._sequencer.forget(client)
         for key in [k for k, (c, _) in self._queued.items() if c.session == client]:
             self._queued.pop(key, None)
@@ -701,6 +704,7 @@ class HostPlugin(WorkerPlugin):
             self._reserved_ports.discard(int(port))
         hosted.close_loop(wait=True)
         del hosted
+        self._drop_process_group(call.group_id)
         gc.collect()
         return True
 
@@ -775,6 +779,66 @@ class HostPlugin(WorkerPlugin):
             f"other group's ranks until it times out. To use both groups: {fix}, put them on separate "
             "workers, or colocate their roles in one group (create_colocated_worker_cls). A group that "
             "never uses torch.distributed can be built with daskwg.check-process-group: False"
+        )
+
+    def _drop_process_group(self, group_id: str) -> None:
+        """Destroy the default process group that ranks of ``group_id`` initialised here,
+        once the last of them is gone, as the end of a Ray actor's process takes its
+        process group with it (verl's workers never destroy theirs). A group still hosted
+        here with the same layout (which may be using it) inherits it instead. Runs on the
+        host thread, so no call of this process is inside a collective; bounded by
+        ``daskwg.shutdown-timeout``."""
+        owner = self._pg_owner
+        if owner is None or owner.group_id != group_id or not (dist.is_available() and dist.is_initialized()):
+            return
+        layout = (dist.get_rank(), dist.get_world_size())
+        with self._hosted_lock:
+            if any(gid == group_id for gid, _ in self._hosted):
+                return
+            heirs = [(key, h) for key, h in self._hosted.items() if (key[1], h.world_size) == layout]
+        if heirs:
+            (gid, rank), heir = heirs[0]
+            self._pg_owner = _ProcessGroupOwner(gid, heir.group_name, rank, heir.world_size)
+            return
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except BaseException as exc:  # noqa: BLE001
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, name="daskwg-destroy-process-group", daemon=True).start()
+        timeout = float(dask.config.get("daskwg.shutdown-timeout", 10))
+        if not done.wait(timeout):
+            logger.warning(
+                "destroying the process group of shut-down group %r (rank %d of %d) on %s did not "
+                "finish within %.0f s (daskwg.shutdown-timeout); it stays initialised in this process",
+                owner.group_name,
+                owner.rank,
+                owner.world_size,
+                self.address,
+                timeout,
+            )
+            return
+        if failure:
+            logger.warning(
+                "destroying the process group of shut-down group %r on %s failed: %r",
+                owner.group_name,
+                self.address,
+                failure[0],
+            )
+            return
+        self._pg_owner = None
+        logger.info(
+            "destroyed the default process group of shut-down group %r (rank %d of %d) on %s",
+            owner.group_name,
+            owner.rank,
+            owner.world_size,
+            self.address,
         )
 
     def _note_process_group(self, call: Call, world_size: int) -> None:

@@ -230,6 +230,46 @@ def test_colocated_roles_share_one_process_group(client3, pool3):
         roles["actor"].destroy_process_group()
 
 
+def _process_group_layouts(client: Client, workers) -> list:
+    def layout():
+        import torch.distributed as dist
+
+        return [dist.get_rank(), dist.get_world_size()] if dist.is_initialized() else None
+
+    return list(client.run(layout, workers=list(workers)).values())
+
+
+def test_shutting_a_group_down_destroys_the_process_group_its_ranks_started(client3, pool3):
+    # As a Ray actor's process takes its process group with it: a group rebuilt on
+    # some of the same workers (after a lost peer, say) starts its own.
+    sub = pool3.split([1, 2])[1]
+    with WorkerGroup(client3, ProcessGroupWorker, workers=pool3, name="A") as a:
+        assert a.init_process_group() == [[0, 3], [1, 3], [2, 3]]
+    assert _process_group_layouts(client3, pool3.workers) == [None, None, None]
+    with WorkerGroup(client3, ProcessGroupWorker, workers=sub, name="B") as b:
+        assert b.init_process_group() == [[0, 2], [1, 2]]
+        assert b.all_reduce_ones() == [[2.0], [2.0]]
+
+
+def test_a_group_with_the_same_layout_keeps_the_process_group_when_its_starter_shuts_down(client3, pool3):
+    first = WorkerGroup(client3, ProcessGroupWorker, workers=pool3, name="first")
+    with WorkerGroup(client3, ProcessGroupWorker, workers=pool3, name="second") as second:
+        assert first.init_process_group() == [[0, 3], [1, 3], [2, 3]]
+        first.shutdown()
+        assert second.all_reduce_ones() == [[3.0], [3.0], [3.0]]
+    assert _process_group_layouts(client3, pool3.workers) == [None, None, None]
+
+
+def test_a_driver_that_leaves_takes_the_process_group_of_its_groups_with_it(cluster3, client3, pool3):
+    with Client(cluster3) as other:
+        wg = WorkerGroup(other, ProcessGroupWorker, workers=pool3.workers, name="left-behind")
+        assert wg.init_process_group() == [[0, 3], [1, 3], [2, 3]]
+    deadline = time.monotonic() + 30
+    while _process_group_layouts(client3, pool3.workers) != [None, None, None]:
+        assert time.monotonic() < deadline, _process_group_layouts(client3, pool3.workers)
+        time.sleep(0.2)
+
+
 def test_a_group_built_with_the_check_off_may_share_a_mismatched_process_group(client3, pool3):
     sub = pool3.split([1, 2])[1]
     with WorkerGroup(client3, ProcessGroupWorker, workers=pool3, name="holder") as holder:
