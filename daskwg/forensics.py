@@ -61,9 +61,11 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
 
     Returns:
         ``{"rank", "address", "state", "method", "seconds", "stack", "last_error",
-        "queued"}``: ``state`` is ``"running"``, ``"queued"`` (a call for it waits on the
-        worker; ``method`` is the first one), ``"idle"``, ``"unresponsive"`` or ``"lost"``
-        (also when the worker no longer hosts the rank); ``queued`` counts its waiting calls.
+        "queued", "cancelled"}``: ``state`` is ``"running"``, ``"queued"`` (a call for it
+        waits on the worker; ``method`` is the first one), ``"idle"``, ``"unresponsive"``
+        or ``"lost"`` (also when the worker no longer hosts the rank); ``queued`` counts its
+        waiting calls; ``cancelled`` says the running call's future was cancelled (a sync
+        method cannot be interrupted and runs on).
     """
     record = {
         "rank": rank,
@@ -74,6 +76,7 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
         "stack": None,
         "last_error": None,
         "queued": 0,
+        "cancelled": False,
     }
     if isinstance(answer, str):
         return record
@@ -83,6 +86,7 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
     record["queued"] = len(queued)
     if hosted:
         record.update({k: hosted[0].get(k) for k in ("state", "method", "seconds", "stack", "last_error")})
+        record["cancelled"] = bool(hosted[0].get("cancelled", False))
     if record["state"] in ("idle", "lost") and queued:
         record.update(state="queued", method=queued[0]["method"], seconds=queued[0]["seconds"])
         blocker = _running_on(answer)

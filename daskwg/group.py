@@ -313,8 +313,10 @@ class WorkerGroup:
             process; ``"lost"``: the worker or the rank is gone), ``method`` (the running
             or first queued call), ``seconds`` (since it started or was queued),
             ``stack`` (the Python stack of the rank's thread while running), plus
-            ``last_error`` (the rank's last failure there) and ``queued`` (how many of
-            its calls wait). A running rank's stack shows where it is stuck, e.g. in
+            ``last_error`` (the rank's last failure there), ``queued`` (how many of
+            its calls wait) and ``cancelled`` (the running call's future was cancelled:
+            a sync method runs to its end; see "Cancelling a call" in the failure
+            model). A running rank's stack shows where it is stuck, e.g. in
             ``all_reduce``. Takes at most about ``daskwg.status-timeout`` seconds.
             Calls the driver abandoned (a deadline, Ctrl-C) show here while they run.
         """

@@ -341,7 +341,7 @@ class HostPlugin(WorkerPlugin):
 
     Registered by :class:`daskwg.WorkerGroup` with ``client.register_plugin``; the
     plugin is idempotent, so every group and every driver share the one instance per
-    worker. It installs the comm handlers ``daskwg_call``, ``daskwg_skip``,
+    worker. It installs the comm handlers ``daskwg_call``, ``daskwg_skip``, ``daskwg_cancel``,
     ``daskwg_reserve_port``, ``daskwg_release``, ``daskwg_info``, ``daskwg_memory``,
     ``daskwg_progress`` and ``daskwg_status`` on the worker.
     """
@@ -370,10 +370,15 @@ class HostPlugin(WorkerPlugin):
         # deadline reports, the dashboard): calls waiting for their turn, the running one.
         self._queued: dict[tuple[str, int], tuple[Call, float]] = {}
         self._running: tuple[Call, float, int] | None = None
+        # Unfinished calls by (driver session, seq), so that cancelling a call's future
+        # (Future.cancel, client.cancel) reaches it; and the running ones cancelled.
+        self._calls: dict[tuple[str, int], tuple[Call, ConcurrentFuture]] = {}
+        self._cancelled_calls: set[tuple[str, int]] = set()
         self._last_error: dict[tuple[str, int], str] = {}
         self._metrics = CallMetrics()
         worker.handlers["daskwg_call"] = self._handle_call
         worker.handlers["daskwg_skip"] = self._handle_skip
+        worker.handlers["daskwg_cancel"] = self._handle_cancel
         worker.handlers["daskwg_reserve_port"] = self._handle_reserve_port
         worker.handlers["daskwg_release"] = self._handle_release
         worker.handlers["daskwg_info"] = self._handle_info
@@ -391,6 +396,50 @@ class HostPlugin(WorkerPlugin):
         for h in hosted:
             h.close_loop(wait=False)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def cancel_call(self, call: Call, result: ConcurrentFuture) -> str:
+        """Cancel ``call`` as Ray cancels an actor task: a call still waiting for its turn
+        never runs (its place in the order is given up, later calls go on); a running
+        ``async def`` method gets ``asyncio.CancelledError`` at its current ``await``; a
+        running sync method cannot be interrupted (Python cannot stop a thread), so it
+        runs to the end, the rank's next calls wait for it, and ``status()`` shows it
+        as cancelled. Returns what happened: ``"skipped"``, ``"interrupted"``,
+        ``"running"`` or ``"done"``."""
+        if result.cancel():
+            self._queued.pop((call.session, call.seq), None)
+            logger.info(
+                "cancelled call %d (%r) of group %r rank %d before it ran; later calls go on",
+                call.seq,
+                call.method,
+                call.group_name,
+                call.rank,
+            )
+            return "skipped"
+        running = self._running
+        if running is None or (running[0].session, running[0].seq) != (call.session, call.seq):
+            return "done"
+        self._cancelled_calls.add((call.session, call.seq))
+        with self._hosted_lock:
+            hosted = self._hosted.get((call.group_id, call.rank))
+        rank_loop = hosted.rank_loop if hosted is not None else None
+        task = rank_loop.current_task if rank_loop is not None else None
+        if task is not None:
+            rank_loop.loop.call_soon_threadsafe(task.cancel)
+            logger.info(
+                "cancelled the running async call %r of group %r rank %d: CancelledError at its current await",
+                call.method,
+                call.group_name,
+                call.rank,
+            )
+            return "interrupted"
+        logger.warning(
+            "call %r of group %r rank %d was cancelled while running; a running sync method cannot be "
+            "interrupted, so it runs to the end and the rank's next calls wait for it (see wg.status())",
+            call.method,
+            call.group_name,
+            call.rank,
+        )
+        return "running"
 
     # ---- entry points ----------------------------------------------------------------
 
@@ -414,6 +463,10 @@ class HostPlugin(WorkerPlugin):
         )
         if result.done():  # refused at once: it never takes a place in the order
             self._queued.pop((call.session, call.seq), None)
+        else:
+            key = (call.session, call.seq)
+            self._calls[key] = (call, result)
+            result.add_done_callback(lambda _: self._calls.pop(key, None))
         return result
 
     async def _handle_call(self, call: tuple, payload: dict) -> dict:
@@ -449,6 +502,20 @@ class HostPlugin(WorkerPlugin):
             error = RankError(call.rank, self.address, call.method, traceback.format_exc(), exc)
             return {"status": "error", "exception": to_serialize(error)}
         return {"status": "OK", "result": packed}
+
+    def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
+        """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as
+        :meth:`cancel_call` says; a call not here yet is skipped. Returns per call
+        ``"skipped"``, ``"interrupted"``, ``"running"`` or ``"done"``."""
+        outcomes = []
+        for seq in seqs:
+            entry = self._calls.get((session, seq))
+            if entry is None:
+                self._sequencer.skip(session, seq)
+                outcomes.append("skipped")
+            else:
+                outcomes.append(self.cancel_call(*entry))
+        return outcomes
 
     def _handle_progress(self, session: str) -> int:
         """The sequence number of the last call of driver ``session`` that finished here
@@ -511,7 +578,8 @@ class HostPlugin(WorkerPlugin):
         ``"running"`` or ``"queued"``), ``method`` (the running or queued call, else
         ``None``), ``seconds`` (since it started, or since it was queued), ``stack``
         (the host thread's Python stack while running, else ``None``), ``last_error``
-        (the last failure of that rank here, else ``None``), ``session`` and ``seq``.
+        (the last failure of that rank here, else ``None``), ``session``, ``seq`` and
+        ``cancelled`` (the running call's task was cancelled; a sync method runs on).
         """
         records = []
         running = self._running
@@ -530,6 +598,7 @@ class HostPlugin(WorkerPlugin):
                 "last_error": self._last_error.get((group_id, rank)),
                 "session": None,
                 "seq": None,
+                "cancelled": False,
             }
             if running is not None and (running[0].group_id, running[0].rank) == (group_id, rank):
                 call, since, ident = running
@@ -546,6 +615,7 @@ class HostPlugin(WorkerPlugin):
                     stack=stack,
                     session=call.session,
                     seq=call.seq,
+                    cancelled=(call.session, call.seq) in self._cancelled_calls,
                 )
             records.append(record)
         for call, since in list(self._queued.values()):
@@ -561,6 +631,7 @@ class HostPlugin(WorkerPlugin):
                     "last_error": None,
                     "session": call.session,
                     "seq": call.seq,
+                    "cancelled": False,
                 }
             )
         return records
@@ -1052,10 +1123,19 @@ async def run_call(call: Call, payload: Any, lazy_values: list | None = None, ta
     if task_key is not None:
         _leave_executing(worker, task_key)
     payload = _unwrap_payload(payload)
+    result = host.enqueue(call, payload, lazy_values)
     try:
-        return await asyncio.wrap_future(host.enqueue(call, payload, lazy_values))
+        return await asyncio.wrap_future(result)
+    except asyncio.CancelledError:
+        if result.cancelled():
+            return None  # skipped by cancel_call: Dask already dropped the task
+        raise  # the worker is closing
     except RankError as exc:
+        if (call.session, call.seq) in host._cancelled_calls:
+            return None  # its future was cancelled: Dask drops whatever the task gives
         raise _shippable(exc) from None
+    finally:
+        host._cancelled_calls.discard((call.session, call.seq))
 
 
 def _leave_executing(worker: Any, key: Any) -> None:

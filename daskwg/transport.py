@@ -872,10 +872,21 @@ class GroupTransport:
         status = future.status
         if status == "finished":
             return
+        if status == "cancelled":
+            # Future.cancel() / client.cancel(): Dask lets go of the task but cannot stop
+            # the rank; tell the worker (a queued call is skipped, an async one interrupted).
+            self.client.loop.add_callback(self._send_cancel, address, [seq])
+            return
         # Also after a RankError: it may be the error of a call this one depended on (a
         # DataProtoFuture's producer), in which case this call never reached its rank.
         # Skipping a call that ran is a no-op on the worker.
         self.client.loop.add_callback(self._send_skip, address, [seq])
+
+    async def _send_cancel(self, address: str, seqs: list[int]) -> None:
+        try:
+            await self.client.rpc(address).daskwg_cancel(session=self.driver.session, seqs=seqs)
+        except Exception:  # noqa: BLE001 - the worker may be gone; nothing runs there then
+            pass
 
     async def _send_skip(self, address: str, seqs: list[int]) -> None:
         try:

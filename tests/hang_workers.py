@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -37,6 +38,26 @@ class HangWorker(Worker):
     def sleep_async(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def serve_async(self, seconds: float) -> int:
+        """An async method (a rollout server's request loop, say) that notes how it ended."""
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self.__dict__.setdefault("events", []).append("serve cancelled")
+            raise
+        self.__dict__.setdefault("events", []).append("serve finished")
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def note_async(self, event: str) -> None:
+        self.__dict__.setdefault("events", []).append(event)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def take_events(self) -> list[str]:
+        events, self.events = self.__dict__.get("events", []), []
+        return events
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def wait_for_file_async(self, path: str, seconds: float) -> bool:

@@ -261,6 +261,40 @@ def test_ctrl_c_during_a_call_leaves_nothing_waiting_silently(hang_cluster, hcli
         assert len(wg.pid()) == 2
 
 
+def _wait_for_state(wg: WorkerGroup, predicate, seconds: float = 30.0) -> list[dict]:
+    end = time.monotonic() + seconds
+    while True:
+        status = wg.status()
+        if all(predicate(r) for r in status):
+            return status
+        assert time.monotonic() < end, status
+        time.sleep(0.1)
+
+
+def test_cancelling_futures_skips_queued_calls_and_interrupts_async_ones(hclient):
+    # As ray.cancel treats actor tasks: a queued call never runs, a running async method
+    # gets CancelledError, a running sync method cannot be interrupted and says so.
+    with WorkerGroup(hclient, HangWorker, world_size=2) as wg, daskwg.deadline(60):
+        running = wg.sleep_async(2.0)
+        queued = wg.note_async("the queued call ran")
+        _wait_for_state(wg, lambda r: r["state"] == "running" and r["method"] == "sleep_async")
+        for future in queued + running:
+            future.cancel()
+        status = _wait_for_state(wg, lambda r: r["cancelled"])
+        assert [(r["state"], r["method"]) for r in status] == [("running", "sleep_async")] * 2
+        assert wg.take_events() == [[], []]  # waits for the sleep; the queued call was skipped
+        serving = wg.serve_async(60)
+        _wait_for_state(wg, lambda r: r["state"] == "running" and r["method"] == "serve_async")
+        t0 = time.monotonic()
+        hclient.cancel(serving)
+        assert wg.take_events() == [["serve cancelled"], ["serve cancelled"]]
+        print(f"\n[detect] a cancelled async call ended after {time.monotonic() - t0:.2f} s")
+        # Dropping futures without cancelling them is not cancelling: the calls still run.
+        wg.note_async("dropped, not cancelled")
+        assert wg.take_events() == [["dropped, not cancelled"]] * 2
+        assert wg._gather(wg.add(10), "add") == [10, 11]
+
+
 # ---- losses on every path ---------------------------------------------------------------
 
 
