@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import psutil
 from distributed import Client
 from distributed.comm.addressing import get_address_host
 
@@ -29,6 +30,9 @@ class WorkerSlot:
         name: the worker's Dask name.
         device: the first entry of the worker's ``CUDA_VISIBLE_DEVICES`` (``None`` if unset).
         server_id: the worker process's Dask server id; changes when a worker restarts.
+        started: when the worker process started (seconds since the epoch, its host's
+            clock; 0.0 if unknown): a removal the scheduler reported before it refers
+            to an earlier process at the same address.
     """
 
     address: str
@@ -36,6 +40,7 @@ class WorkerSlot:
     name: str
     device: str | None
     server_id: str
+    started: float = 0.0
 
 
 def _device_key(device: str | None) -> tuple:
@@ -66,10 +71,10 @@ def _first_visible_device() -> str | None:
     return value.split(",")[0].strip()
 
 
-def _worker_identity(dask_worker) -> tuple[str | None, str]:
+def _worker_identity(dask_worker) -> tuple[str | None, str, float]:
     # The scheduler's "id" for a worker is its name, which a restarted worker keeps;
     # the worker's own id is new in every process.
-    return _first_visible_device(), dask_worker.id
+    return _first_visible_device(), dask_worker.id, psutil.Process().create_time()
 
 
 def _cluster_slots(client: Client) -> list[WorkerSlot]:
@@ -84,6 +89,7 @@ def _cluster_slots(client: Client) -> list[WorkerSlot]:
             name=str(w.get("name", addr)),
             device=identities[addr][0],
             server_id=identities[addr][1],
+            started=identities[addr][2],
         )
         for addr, w in info.items()
         if addr in identities

@@ -109,6 +109,8 @@ class Driver:
         self.transports: weakref.WeakSet[GroupTransport] = weakref.WeakSet()
         self.watched: set[str] = set()
         self.server_ids: dict[str, set[str]] = defaultdict(set)
+        #: server id -> when that worker process started (``WorkerSlot.started``)
+        self.started: dict[str, float] = {}
         self.lost: dict[str, str] = {}
         self.paused: dict[str, float] = {}
         self.stuck: dict[str, tuple[str, str, Any]] = {}
@@ -191,6 +193,7 @@ class Driver:
                 self.memory_limits[address] = info.get("memory_limit")
         for slot in slots:
             self.server_ids[slot.address].add(slot.server_id)
+            self.started[slot.server_id] = slot.started
             if slot.address not in self.watched:
                 self.watched.add(slot.address)
                 self.client.subscribe_topic(
@@ -198,13 +201,21 @@ class Driver:
                 )
 
     def _on_worker_event(self, address: str, event: tuple) -> None:
-        _, msg = event
+        when, msg = event
         if not isinstance(msg, dict):
             return
         if msg.get("action") == "remove-worker":
             reason = self._memory_kill_reason(address) or msg.get("stimulus_id", "")
             orphans = []
-            for sid in self.server_ids.pop(address, ()):
+            removed = self.server_ids.pop(address, set())
+            # Events can arrive after a group was already built on the restarted process
+            # at the same address: a process that started after the removal stays.
+            newer = {
+                sid for sid in removed if isinstance(when, (int, float)) and self.started.get(sid, 0.0) > when
+            }
+            if newer:
+                self.server_ids[address] = newer
+            for sid in removed - newer:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
