@@ -52,6 +52,14 @@ def hclient(hang_cluster):
         yield client
 
 
+@pytest.fixture(autouse=True)
+def _all_workers_back(request):
+    """Tests on the shared cluster start once all three workers are up: the restarts of
+    the test before (through the nannies) may still be bringing one back."""
+    if "hclient" in request.fixturenames:
+        wait_for_workers(request.getfixturevalue("hclient"), 3, timeout=60)
+
+
 def _resume(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)
