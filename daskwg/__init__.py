@@ -13,11 +13,11 @@ from .deadlines import deadline
 from .decorator import (
     Dispatch,
     Execute,
-    make_nd_compute_dataproto_dispatch_fn,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
 )
+from .dispatch import make_nd_compute_dataproto_dispatch_fn
 from .errors import (
     CallTimeoutError,
     ConcatError,

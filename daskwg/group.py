@@ -28,18 +28,13 @@ from distributed import Client, Future, fire_and_forget
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from .colocate import ColocatedWorker, role_classes_of
 from .deadlines import deadline
-from .decorator import (
-    PADDING_SIZE_KEY,
-    Execute,
-    RankOutputs,
-    get_predefined_dispatch_fn,
-    get_registered_method,
-)
+from .decorator import Execute, get_predefined_dispatch_fn, get_registered_method
+from .dispatch import PADDING_SIZE_KEY, RankOutputs
 from .errors import CallTimeoutError, DispatchError, GroupBrokenError, WorkerGroupError, WorldSizeError
 from .futures import DataProtoFuture
-from .plugin import RANK_ENV_KEYS
 from .pool import ResourcePool
 from .transport import GroupTransport
+from .wire import RANK_ENV_KEYS
 from .worker import ClassWithInitArgs
 
 __all__ = ["WorkerGroup", "ClassWithInitArgs"]

@@ -20,7 +20,7 @@ from daskwg import (
     register_dispatch_mode,
 )
 from daskwg.colocate import ColocatedWorker
-from daskwg.decorator import collect_all_to_all, dispatch_one_to_all
+from daskwg.dispatch import collect_all_to_all, dispatch_one_to_all
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ROLE_ENV")
 

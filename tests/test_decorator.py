@@ -20,17 +20,16 @@ import torch
 from tensordict import TensorDict
 
 from daskwg.decorator import (
-    PADDING_SIZE_KEY,
     Dispatch,
     Execute,
     RegisteredMethod,
     get_predefined_dispatch_fn,
     get_registered_method,
-    make_nd_compute_dataproto_dispatch_fn,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
 )
+from daskwg.dispatch import PADDING_SIZE_KEY, make_nd_compute_dataproto_dispatch_fn
 from daskwg.errors import DispatchError
 from daskwg.futures import DataProtoFuture
 from daskwg.protocol import DataProto

@@ -20,9 +20,9 @@ from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
 from daskwg import ClassWithInitArgs, RankError, WorkerGroup
-from daskwg.plugin import Call
 from daskwg.serialization import pack
 from daskwg.transport import Driver as _Driver
+from daskwg.wire import Call
 
 TESTS_DIR = os.path.dirname(__file__)
 

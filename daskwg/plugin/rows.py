@@ -17,19 +17,19 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
 
-from . import serialization
-from .errors import GroupBrokenError
-from .futures import _rows_of, _select_columns, evaluate
-from .protocol import DataProto
+from .. import serialization
+from ..errors import GroupBrokenError
+from ..futures import _rows_of, _select_columns, evaluate
+from ..protocol import DataProto
+from ..wire import PartInfo
 
-__all__ = ["PartInfo", "part_info", "evaluate_on_worker", "fetching_on", "install"]
+__all__ = ["part_info", "evaluate_on_worker", "fetching_on", "install"]
 
 _local = threading.local()
 
@@ -44,23 +44,6 @@ def fetching_on(worker: Any) -> Iterator[None]:
         yield
     finally:
         _local.worker = previous
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    """Where one part of a ``DataProtoFuture`` is and what a consumer must know of it.
-
-    Attributes:
-        address: the Dask worker holding it.
-        key: its Dask key there.
-        rows: its number of rows (padding included).
-        meta_info: its ``meta_info`` (``None`` for a TensorDict part).
-    """
-
-    address: str
-    key: str
-    rows: int
-    meta_info: dict | None
 
 
 def _value(stored: Any) -> Any:

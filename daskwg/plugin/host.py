@@ -29,194 +29,39 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import gc
 import inspect
 import logging
 import multiprocessing
 import os
-import pickle
-import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask.config
 import torch.distributed as dist
-from distributed import get_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
-from distributed.worker_state_machine import SecedeEvent
 
-from . import parts, serialization  # serialization also installs the tensor serializer in workers
-from .errors import GroupBrokenError, RankError
-from .metrics import CallMetrics, payload_nbytes
+from .. import serialization  # serialization also installs the tensor serializer in workers
+from ..errors import GroupBrokenError, RankError
+from ..metrics import CallMetrics, payload_nbytes
+from ..wire import PLUGIN_NAME, Call, LazyArg
+from . import rows
+from .exceptions import _picklable_error, _runtime_hint, _safe_str, _with_message
+from .rank_loop import _install_signal_shim, _rank_thread, _RankLoop, _task_stack
+from .sequencer import _Sequencer
 
-__all__ = ["HostPlugin", "PLUGIN_NAME", "Call", "run_call"]
+__all__ = ["HostPlugin"]
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "daskwg"
-
-#: Environment variables daskwg owns on every rank; ``worker_env`` may not set them.
-RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call into one rank, as the driver sends it.
-
-    Attributes:
-        session: id of the issuing driver (its Dask client id); sequence numbers count
-            per session and worker.
-        seq: this call's position in the session's order on this worker.
-        group_id: unique id of the group.
-        group_name: readable group name (for messages).
-        rank: the rank called.
-        method: the method name, or ``"__init__"`` / ``"__del__"`` for the life-cycle
-            calls that build and destroy the rank object.
-        owner: client id that owns the group.
-        worker_id: id of the worker process the call is meant for (``Worker.id``);
-            a restarted worker (same name, maybe same address) has a new one.
-    """
-
-    session: str
-    seq: int
-    group_id: str
-    group_name: str
-    rank: int
-    method: str
-    owner: str
-    worker_id: str | None = None
-
-
-@dataclass(frozen=True)
-class LazyArg:
-    """Placeholder for an argument that is a ``DataProtoFuture``.
-
-    The futures themselves travel in a separate list so that Dask resolves them (moving
-    the data worker to worker); ``transform(values)`` rebuilds the argument on the rank.
-    """
-
-    index: int
-    transform: Callable[[list], Any]
-    #: the producing call, e.g. ``"gen.generate (ranks 0-3)"``: blamed if building fails.
-    source: str = ""
-
-
-class _RankLoop:
-    """The event loop a rank's ``async def`` methods run on, in a thread of its own.
-
-    It runs between calls too, so tasks and servers a method starts keep serving after
-    it returns (Ray's async-actor model, which verl's rollout servers rely on). The host
-    thread hands each coroutine over and waits for it: a call still ends when its
-    coroutine returns, so calls keep their order.
-    """
-
-    def __init__(self, name: str, skip_signal_handlers: bool):
-        self.loop = asyncio.new_event_loop()
-        #: the task of the async call running now (for status records), else ``None``
-        self.current_task: asyncio.Task | None = None
-        self._skip_signal_handlers = skip_signal_handlers
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        _rank_thread.skip_signal_handlers = self._skip_signal_handlers
-        try:
-            self.loop.run_forever()
-        finally:
-            try:
-                tasks = asyncio.all_tasks(self.loop)
-                for task in tasks:
-                    task.cancel()
-                if tasks:
-                    # A task that ignores cancellation must not keep the thread forever.
-                    self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LOOP_CLOSE_TIMEOUT))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            finally:
-                self.loop.close()
-
-    def run(self, awaitable: Any) -> Any:
-        """Run ``awaitable`` on the loop; block the calling thread until it finishes."""
-        return asyncio.run_coroutine_threadsafe(self._call(awaitable), self.loop).result()
-
-    async def _call(self, awaitable: Any) -> Any:
-        self.current_task = asyncio.current_task()
-        try:
-            return await awaitable
-        finally:
-            self.current_task = None
-
-    def close(self, wait: bool) -> None:
-        """Stop the loop (its tasks are cancelled) and, if ``wait``, join the thread
-        for a bounded time."""
-        if self.loop.is_closed():
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # closed meanwhile
-            return
-        if wait:
-            self._thread.join(2 * _LOOP_CLOSE_TIMEOUT)
-            if self._thread.is_alive():
-                logger.warning("the event loop thread %s did not stop; leaving it", self._thread.name)
-
-
-def _task_stack(task: asyncio.Task) -> str | None:
-    """Where an async call's coroutine is, down the chain of awaited coroutines, as
-    ``traceback.format_stack`` would say it (``Task.get_stack`` gives only the top)."""
-    frames = []
-    coro: Any = task.get_coro()
-    while coro is not None and len(frames) < 64:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is None:
-            break
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None))
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return "".join(traceback.format_list(frames)) if frames else None
-
-
-#: Seconds a destroyed rank's loop gives its tasks to end after they are cancelled.
-_LOOP_CLOSE_TIMEOUT = 5.0
-
-#: Per-thread context of rank code: whether its group asked to skip signal handlers.
-_rank_thread = threading.local()
-
-_original_signal = signal.signal
-
-
-def _signal_from_rank(signalnum: Any, handler: Any) -> Any:
-    """``signal.signal`` as rank code of a group built with ``daskwg.skip-signal-handlers``
-    sees it: off the main thread, SIGTERM/SIGINT handlers are not installed (Python
-    would refuse them) and the current handler is returned, as Ray's SGLang example
-    does for engines that register them in their constructor."""
-    if (
-        getattr(_rank_thread, "skip_signal_handlers", False)
-        and signalnum in (signal.SIGTERM, signal.SIGINT)
-        and threading.current_thread() is not threading.main_thread()
-    ):
-        logger.info(
-            "not installing a handler for %s from rank code on thread %r (daskwg.skip-signal-handlers)",
-            signal.Signals(signalnum).name,
-            threading.current_thread().name,
-        )
-        return signal.getsignal(signalnum)
-    return _original_signal(signalnum, handler)
-
-
-def _install_signal_shim() -> None:
-    if signal.signal is not _signal_from_rank:
-        signal.signal = _signal_from_rank
 
 
 @dataclass
@@ -245,95 +90,6 @@ class _ProcessGroupOwner:
     group_name: str
     rank: int
     world_size: int
-
-
-@dataclass
-class _Session:
-    session: str
-    next_seq: int = 0
-    pending: dict = field(default_factory=dict)
-    skipped: set = field(default_factory=set)
-
-
-class _Sequencer:
-    """Releases work items to a single thread strictly in sequence-number order."""
-
-    def __init__(self, executor: ThreadPoolExecutor):
-        self._executor = executor
-        self._lock = threading.Lock()
-        self._sessions: dict[str, _Session] = {}
-        self._released: set[str] = set()
-        #: per driver, the sequence number of its last call that finished (or was
-        #: skipped) on the thread; calls finish in order, so one number says it all.
-        self.progress: dict[str, int] = {}
-
-    def _done(self, session: str, seq: int) -> None:
-        self.progress[session] = seq
-
-    def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
-        result: ConcurrentFuture = ConcurrentFuture()
-        with self._lock:
-            if session in self._released:
-                result.set_exception(
-                    GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
-                )
-                return result
-            state = self._sessions.setdefault(session, _Session(session))
-            if seq < state.next_seq or seq in state.pending:
-                result.set_exception(
-                    RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
-                )
-                return result
-            # A call the driver gave up on (skip) may still arrive; then it runs.
-            state.skipped.discard(seq)
-            state.pending[seq] = (fn, result)
-            self._release(state)
-        return result
-
-    def skip(self, session: str, seq: int) -> None:
-        """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
-        with self._lock:
-            state = self._sessions.setdefault(session, _Session(session))
-            if seq >= state.next_seq and seq not in state.pending:
-                state.skipped.add(seq)
-                self._release(state)
-
-    def forget(self, session: str) -> None:
-        """Drop a driver that left; its calls from now on are refused, not queued
-        (its sequence numbers would count from a state that is gone)."""
-        with self._lock:
-            self._sessions.pop(session, None)
-            self._released.add(session)
-
-    def _release(self, state: _Session) -> None:
-        while True:
-            seq = state.next_seq
-            if seq in state.skipped:
-                state.skipped.discard(seq)
-                # Through the thread too, so progress never runs ahead of a call still running.
-                self._executor.submit(self._done, state.session, seq)
-            elif seq in state.pending:
-                fn, result = state.pending.pop(seq)
-                self._executor.submit(
-                    _run_into, fn, result, functools.partial(self._done, state.session, seq)
-                )
-            else:
-                return
-            state.next_seq += 1
-
-
-def _run_into(fn: Callable[[], Any], result: ConcurrentFuture, done: Callable[[], None]) -> None:
-    try:
-        if not result.set_running_or_notify_cancel():
-            return
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-            result.set_exception(exc)
-        else:
-            result.set_result(value)
-    finally:
-        done()
 
 
 class HostPlugin(WorkerPlugin):
@@ -386,7 +142,7 @@ class HostPlugin(WorkerPlugin):
         worker.handlers["daskwg_progress"] = self._handle_progress
         worker.handlers["daskwg_status"] = self._handle_status
         worker.handlers["daskwg_metrics"] = self._handle_metrics
-        parts.install(worker)
+        rows.install(worker)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -996,7 +752,7 @@ def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
             ]
         else:
             values = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in values]
-        with parts.fetching_on(worker):
+        with rows.fetching_on(worker):
             return value.transform(values)
     return value
 
@@ -1016,80 +772,6 @@ def _snapshot(result: Any, call: Call, arguments: tuple) -> Any:
         ) from None
 
 
-def _safe_str(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception as inner:  # noqa: BLE001 - a user __str__ that raises
-        return f"<str() raised {type(inner).__name__}>"
-
-
-def _shippable(exc: RankError) -> RankError:
-    """``exc`` without the chained exceptions Python attached to it.
-
-    Once Dask formatted a task's error in this process, tblib pickles every instance
-    of that exception class with its ``__context__``/``__cause__`` (the user's original
-    exception, which the driver may not be able to import): drop them, the RankError
-    carries what the driver needs (type name, message, traceback text).
-    """
-    exc.__cause__ = None
-    exc.__context__ = None
-    exc.__suppress_context__ = True
-    return exc
-
-
-def _picklable_exception(exc: BaseException) -> BaseException | None:
-    if isinstance(exc, RankError):
-        return _shippable(exc)  # it carries its exception as bytes plus type name and message
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {_safe_str(exc)}")
-    return exc
-
-
-def _with_message(exc: BaseException, message: str) -> BaseException:
-    """An exception of the same type as ``exc`` (where it can be built from a message)."""
-    try:
-        return _picklable_exception(type(exc)(message)) or RuntimeError(message)
-    except Exception:  # noqa: BLE001
-        return RuntimeError(message)
-
-
-_DAEMONIC = "daemonic processes are not allowed to have children"
-_SIGNAL_THREAD = "signal only works in main thread"
-
-
-def _runtime_hint(exc: BaseException) -> str | None:
-    """A message saying what to do, for errors that come from where rank code runs
-    rather than from the code itself."""
-    text = " ".join(_safe_str(e) for e in _exception_chain(exc))
-    if _DAEMONIC in text:
-        return (
-            f"{_DAEMONIC}: this Dask worker process was started as a daemon (Dask's default for workers "
-            "started by a nanny), so rank code cannot start child processes (DataLoader(num_workers>0), "
-            "multiprocessing, inference engines). Start the workers with distributed.worker.daemon: False "
-            "in the Dask configuration of their nanny, e.g. DASK_DISTRIBUTED__WORKER__DAEMON=False dask "
-            "worker ...; daskwg.local_cluster() does this for its workers"
-        )
-    if _SIGNAL_THREAD in text:
-        return (
-            f"{_safe_str(exc)}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
-            "loop thread), not on the process's main thread, so it cannot install signal handlers. For "
-            "constructors that only register SIGTERM/SIGINT handlers, build the group with "
-            'dask.config.set({"daskwg.skip-signal-handlers": True}); for timeouts use the API\'s own '
-            "(torch.distributed timeout=, asyncio.wait_for) instead of signal.alarm"
-        )
-    return None
-
-
-def _exception_chain(exc: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain and len(chain) < 8:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return chain
-
-
 def _allow_child_processes() -> None:
     """Let rank code start child processes when the worker's own configuration says
     ``distributed.worker.daemon: False`` but its nanny lives in another process that
@@ -1098,55 +780,3 @@ def _allow_child_processes() -> None:
     if process.daemon and dask.config.get("distributed.worker.daemon", default=True) is False:
         # The flag is what multiprocessing checks in this process before starting a child.
         process._config["daemon"] = False
-
-
-def _picklable_error(exc: BaseException) -> BaseException:
-    return _picklable_exception(exc) or RuntimeError(repr(exc))
-
-
-async def run_call(call: Call, payload: Any, lazy_values: list | None = None, task_key: Any = None) -> Any:
-    """The task function of the Dask-task path: run ``call`` on this worker's host.
-
-    ``payload`` is ``("inline", pickle bytes)`` or ``("scattered", value)`` (sent
-    straight to this worker beforehand, see ``daskwg.transport``). ``lazy_values``
-    are what Dask resolved for ``DataProtoFuture`` arguments before the task started
-    (their parts, or their :class:`daskwg.parts.PartInfo`). An ``async def`` task runs
-    on the worker's event loop, so a call waiting for its turn holds no thread; it
-    leaves Dask's count of executing tasks at once (as ``distributed.secede`` does for
-    threads), so later calls, which Dask may start first, can take their places in the
-    order.
-    """
-    worker = get_worker()
-    host = worker.plugins.get(PLUGIN_NAME)
-    if host is None:
-        raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
-    if task_key is not None:
-        _leave_executing(worker, task_key)
-    payload = _unwrap_payload(payload)
-    result = host.enqueue(call, payload, lazy_values)
-    try:
-        return await asyncio.wrap_future(result)
-    except asyncio.CancelledError:
-        if result.cancelled():
-            return None  # skipped by cancel_call: Dask already dropped the task
-        raise  # the worker is closing
-    except RankError as exc:
-        if (call.session, call.seq) in host._cancelled_calls:
-            return None  # its future was cancelled: Dask drops whatever the task gives
-        raise _shippable(exc) from None
-    finally:
-        host._cancelled_calls.discard((call.session, call.seq))
-
-
-def _leave_executing(worker: Any, key: Any) -> None:
-    # What distributed.secede tells the worker's state machine, for a task running on
-    # the event loop (secede itself needs a thread of the worker's pool).
-    worker.loop.add_callback(
-        worker.handle_stimulus,
-        SecedeEvent(key=key, compute_duration=0.0, stimulus_id=f"daskwg-secede-{time.time()}"),
-    )
-
-
-def _unwrap_payload(payload: tuple) -> Any:
-    kind, value = payload
-    return pickle.loads(value) if kind == "inline" else value

@@ -1,0 +1,122 @@
+"""Where a rank's ``async def`` methods run: an event loop of its own, in a thread of its
+own, that keeps running between calls; and the ``signal.signal`` shim for rank code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class _RankLoop:
+    """The event loop a rank's ``async def`` methods run on, in a thread of its own.
+
+    It runs between calls too, so tasks and servers a method starts keep serving after
+    it returns (Ray's async-actor model, which verl's rollout servers rely on). The host
+    thread hands each coroutine over and waits for it: a call still ends when its
+    coroutine returns, so calls keep their order.
+    """
+
+    def __init__(self, name: str, skip_signal_handlers: bool):
+        self.loop = asyncio.new_event_loop()
+        #: the task of the async call running now (for status records), else ``None``
+        self.current_task: asyncio.Task | None = None
+        self._skip_signal_handlers = skip_signal_handlers
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        _rank_thread.skip_signal_handlers = self._skip_signal_handlers
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                tasks = asyncio.all_tasks(self.loop)
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    # A task that ignores cancellation must not keep the thread forever.
+                    self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LOOP_CLOSE_TIMEOUT))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    def run(self, awaitable: Any) -> Any:
+        """Run ``awaitable`` on the loop; block the calling thread until it finishes."""
+        return asyncio.run_coroutine_threadsafe(self._call(awaitable), self.loop).result()
+
+    async def _call(self, awaitable: Any) -> Any:
+        self.current_task = asyncio.current_task()
+        try:
+            return await awaitable
+        finally:
+            self.current_task = None
+
+    def close(self, wait: bool) -> None:
+        """Stop the loop (its tasks are cancelled) and, if ``wait``, join the thread
+        for a bounded time."""
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed meanwhile
+            return
+        if wait:
+            self._thread.join(2 * _LOOP_CLOSE_TIMEOUT)
+            if self._thread.is_alive():
+                logger.warning("the event loop thread %s did not stop; leaving it", self._thread.name)
+
+
+def _task_stack(task: asyncio.Task) -> str | None:
+    """Where an async call's coroutine is, down the chain of awaited coroutines, as
+    ``traceback.format_stack`` would say it (``Task.get_stack`` gives only the top)."""
+    frames = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(frames) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "".join(traceback.format_list(frames)) if frames else None
+
+
+#: Seconds a destroyed rank's loop gives its tasks to end after they are cancelled.
+_LOOP_CLOSE_TIMEOUT = 5.0
+
+
+#: Per-thread context of rank code: whether its group asked to skip signal handlers.
+_rank_thread = threading.local()
+
+
+_original_signal = signal.signal
+
+
+def _signal_from_rank(signalnum: Any, handler: Any) -> Any:
+    """``signal.signal`` as rank code of a group built with ``daskwg.skip-signal-handlers``
+    sees it: off the main thread, SIGTERM/SIGINT handlers are not installed (Python
+    would refuse them) and the current handler is returned, as Ray's SGLang example
+    does for engines that register them in their constructor."""
+    if (
+        getattr(_rank_thread, "skip_signal_handlers", False)
+        and signalnum in (signal.SIGTERM, signal.SIGINT)
+        and threading.current_thread() is not threading.main_thread()
+    ):
+        logger.info(
+            "not installing a handler for %s from rank code on thread %r (daskwg.skip-signal-handlers)",
+            signal.Signals(signalnum).name,
+            threading.current_thread().name,
+        )
+        return signal.getsignal(signalnum)
+    return _original_signal(signalnum, handler)
+
+
+def _install_signal_shim() -> None:
+    if signal.signal is not _signal_from_rank:
+        signal.signal = _signal_from_rank

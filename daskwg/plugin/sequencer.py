@@ -1,0 +1,102 @@
+"""Releasing a worker's calls to its host thread strictly in the driver's order."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import GroupBrokenError
+
+
+@dataclass
+class _Session:
+    session: str
+    next_seq: int = 0
+    pending: dict = field(default_factory=dict)
+    skipped: set = field(default_factory=set)
+
+
+class _Sequencer:
+    """Releases work items to a single thread strictly in sequence-number order."""
+
+    def __init__(self, executor: ThreadPoolExecutor):
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self._released: set[str] = set()
+        #: per driver, the sequence number of its last call that finished (or was
+        #: skipped) on the thread; calls finish in order, so one number says it all.
+        self.progress: dict[str, int] = {}
+
+    def _done(self, session: str, seq: int) -> None:
+        self.progress[session] = seq
+
+    def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
+        result: ConcurrentFuture = ConcurrentFuture()
+        with self._lock:
+            if session in self._released:
+                result.set_exception(
+                    GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
+                )
+                return result
+            state = self._sessions.setdefault(session, _Session(session))
+            if seq < state.next_seq or seq in state.pending:
+                result.set_exception(
+                    RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
+                )
+                return result
+            # A call the driver gave up on (skip) may still arrive; then it runs.
+            state.skipped.discard(seq)
+            state.pending[seq] = (fn, result)
+            self._release(state)
+        return result
+
+    def skip(self, session: str, seq: int) -> None:
+        """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
+        with self._lock:
+            state = self._sessions.setdefault(session, _Session(session))
+            if seq >= state.next_seq and seq not in state.pending:
+                state.skipped.add(seq)
+                self._release(state)
+
+    def forget(self, session: str) -> None:
+        """Drop a driver that left; its calls from now on are refused, not queued
+        (its sequence numbers would count from a state that is gone)."""
+        with self._lock:
+            self._sessions.pop(session, None)
+            self._released.add(session)
+
+    def _release(self, state: _Session) -> None:
+        while True:
+            seq = state.next_seq
+            if seq in state.skipped:
+                state.skipped.discard(seq)
+                # Through the thread too, so progress never runs ahead of a call still running.
+                self._executor.submit(self._done, state.session, seq)
+            elif seq in state.pending:
+                fn, result = state.pending.pop(seq)
+                self._executor.submit(
+                    _run_into, fn, result, functools.partial(self._done, state.session, seq)
+                )
+            else:
+                return
+            state.next_seq += 1
+
+
+def _run_into(fn: Callable[[], Any], result: ConcurrentFuture, done: Callable[[], None]) -> None:
+    try:
+        if not result.set_running_or_notify_cancel():
+            return
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
+            result.set_exception(exc)
+        else:
+            result.set_result(value)
+    finally:
+        done()
