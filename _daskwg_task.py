@@ -1,31 +1,35 @@
 """The task function of daskwg's Dask-task path, importable without torch or daskwg.
 
-The scheduler unpickles every task it is given. A task whose function were
-``daskwg.plugin.run_call`` would make it import daskwg, and so torch. The function of
-every daskwg task is :func:`run` instead, from this module of the standard library
-alone; the daskwg function it runs travels as pickle bytes that only the worker opens.
+The scheduler unpickles every task it is given. A task whose function were a daskwg
+function would make it import daskwg, and so torch. The function of every daskwg task
+is :func:`run` instead, from this module of the standard library alone: it names the
+daskwg function to run as a ``"module:function"`` string that only the worker imports,
+and every argument is plain data (or a Dask future, which Dask resolves on the worker).
 It is a coroutine function, so Dask runs the task on the worker's event loop and a call
 waiting for its turn on the rank holds no thread.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import pickle
 
 __all__ = ["run"]
 
 
-async def run(fn_pickle: bytes, *args):
-    """``fn(*args)`` for ``fn = pickle.loads(fn_pickle)``, awaited if it is a coroutine.
+async def run(target: str, *args):
+    """``fn(*args)`` for the function ``target`` names, awaited if it returns an awaitable.
 
     Args:
-        fn_pickle: a pickled callable (daskwg's ``run_call`` bound to its call, say).
+        target: ``"module:function"``, e.g. ``"daskwg.plugin.task:run_call"``.
         *args: its arguments, as Dask resolved them on this worker.
     Returns:
         what ``fn`` returns.
+    Raises:
+        ImportError, AttributeError: ``target`` does not name a function here.
     """
-    result = pickle.loads(fn_pickle)(*args)
+    module, _, name = target.partition(":")
+    result = getattr(importlib.import_module(module), name)(*args)
     if inspect.isawaitable(result):
         result = await result
     return result

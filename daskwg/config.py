@@ -3,17 +3,77 @@
 Defaults live in ``daskwg.yaml`` beside this module; override them like any Dask
 setting (``dask.config.set({"daskwg.poll-interval": 0.5})``, a YAML file in
 ``~/.config/dask/``, or ``DASK_DASKWG__POLL_INTERVAL=0.5``).
+
+Code reads them through :class:`Settings`, one record taken when a call is sent or
+waited on and passed down its path, so a ``with dask.config.set(...)`` block around a
+call applies to all of that call, and no lookup hides deep in a call path.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import dask.config
 import yaml
+
+__all__ = ["Settings"]
 
 _path = os.path.join(os.path.dirname(__file__), "daskwg.yaml")
 with open(_path) as f:
     defaults = yaml.safe_load(f)
 
 dask.config.update_defaults(defaults)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``daskwg.*`` settings at one moment (see ``daskwg.yaml`` for each one's meaning).
+
+    Attributes:
+        poll_interval: seconds between the driver's checks for lost workers while it waits.
+        rank_failure_grace: seconds the other ranks of a failed call get to finish.
+        paused_warning: seconds on a paused worker before the driver warns.
+        paused_timeout: seconds a task-path call waits on a paused worker before
+            ``WorkerPausedError``.
+        call_timeout: the default deadline of every call and wait in seconds (``None``: none).
+        status_timeout: seconds a worker gets to answer a status request.
+        shutdown_timeout: seconds ``shutdown()`` waits for ranks to destroy their objects.
+        max_queued_calls: unfinished task-path calls per worker before the next one waits.
+        scatter_above: argument bytes above which a task-path call's arguments go straight
+            to the rank's worker.
+        skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
+        check_process_group: groups built now refuse a rank whose process holds another
+            group's default process group.
+    """
+
+    poll_interval: float
+    rank_failure_grace: float
+    paused_warning: float
+    paused_timeout: float
+    call_timeout: float | None
+    status_timeout: float
+    shutdown_timeout: float
+    max_queued_calls: int
+    scatter_above: int
+    skip_signal_handlers: bool
+    check_process_group: bool
+
+    @classmethod
+    def current(cls) -> Settings:
+        """The settings in force in this thread now (``dask.config.set`` blocks included)."""
+        config = dask.config.get("daskwg")
+        timeout = config.get("call-timeout")
+        return cls(
+            poll_interval=float(config["poll-interval"]),
+            rank_failure_grace=float(config["rank-failure-grace"]),
+            paused_warning=float(config["paused-warning"]),
+            paused_timeout=float(config["paused-timeout"]),
+            call_timeout=None if timeout is None else float(timeout),
+            status_timeout=float(config["status-timeout"]),
+            shutdown_timeout=float(config["shutdown-timeout"]),
+            max_queued_calls=int(config["max-queued-calls"]),
+            scatter_above=int(config["scatter-above"]),
+            skip_signal_handlers=bool(config["skip-signal-handlers"]),
+            check_process_group=bool(config["check-process-group"]),
+        )

@@ -37,6 +37,7 @@ from tornado.ioloop import PeriodicCallback
 
 from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
 from .metrics import BUCKETS, merge
+from .records import ROOT
 
 __all__ = ["DashboardPlugin", "PLUGIN_NAME", "render_html"]
 
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "daskwg-dashboard"
 
 # The scheduler-metadata key the groups publish themselves under (daskwg.group).
-_METADATA_ROOT = "daskwg-groups"
+
 
 # Plugins started in this process, newest last: /metrics is one per process (Dask's
 # own collectors follow the newest scheduler too, which matters only in tests that run
@@ -93,7 +94,7 @@ class DashboardPlugin(SchedulerPlugin):
     def groups(self) -> dict[str, dict]:
         """The groups' records in the scheduler's metadata, by name (shut-down ones
         are ``None`` there and left out)."""
-        records = self.scheduler.get_metadata([_METADATA_ROOT], default=None) or {}
+        records = self.scheduler.get_metadata([ROOT], default=None) or {}
         return {name: r for name, r in records.items() if isinstance(r, dict)}
 
     async def _query(self, op: str) -> tuple[dict[str, Any], list[str]]:

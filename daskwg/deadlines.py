@@ -20,10 +20,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import dask.config
-
-from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-
 __all__ = ["deadline", "Limit", "current_limit", "check_seconds"]
 
 _local = threading.local()
@@ -78,14 +74,18 @@ def deadline(seconds: float) -> Iterator[Limit]:
         stack.remove(limit)
 
 
-def current_limit(method_timeout: float | None = None) -> Limit | None:
-    """The deadline of a wait starting now in this thread (see the module docstring)."""
+def current_limit(method_timeout: float | None = None, call_timeout: float | None = None) -> Limit | None:
+    """The deadline of a wait starting now in this thread (see the module docstring).
+
+    Args:
+        method_timeout: the method's ``@register(timeout=...)`` in seconds, or ``None``.
+        call_timeout: ``daskwg.call-timeout`` as the call's :class:`~daskwg.config.Settings`
+            read it, or ``None``.
+    """
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    seconds = method_timeout
-    if seconds is None:
-        seconds = check_seconds(dask.config.get("daskwg.call-timeout", None), "daskwg.call-timeout")
+    seconds = method_timeout if method_timeout is not None else call_timeout
     if seconds is None:
         return None
     return Limit(time.monotonic() + seconds, seconds)

@@ -18,7 +18,6 @@ from typing import Any, ClassVar, TypeVar
 
 from .deadlines import check_seconds
 from .dispatch import (
-    _future_type,
     collect_all_to_all,
     collect_dp_compute,
     collect_dp_compute_data_proto,
@@ -30,6 +29,7 @@ from .dispatch import (
     dispatch_dp_compute_metric,
     dispatch_one_to_all,
 )
+from .futures import DataProtoFuture
 
 __all__ = [
     "Dispatch",
@@ -330,9 +330,6 @@ def _materialize_futures(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """New args/kwargs with every top-level DataProtoFuture replaced by its ``.get()``."""
-    DataProtoFuture = _future_type()
-    if DataProtoFuture is None:
-        return args, kwargs
     if not any(isinstance(v, DataProtoFuture) for v in (*args, *kwargs.values())):
         return args, kwargs
     new_args = tuple(arg.get() if isinstance(arg, DataProtoFuture) else arg for arg in args)

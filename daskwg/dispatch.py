@@ -19,8 +19,8 @@ Dispatch and collect functions may rely only on ``worker_group.world_size``,
 ``worker_group._query_dispatch_info(mesh_name) -> list[int]`` /
 ``_query_collect_info(mesh_name) -> list[bool]``.
 
-``DataProto``, ``DataProtoFuture`` and ``distributed`` are imported inside the functions
-that need them, so importing this module is cheap and free of import cycles.
+Padding lives in ``daskwg.protocol`` (:func:`~daskwg.protocol.pad_rows`,
+:func:`~daskwg.protocol.unpad_rows`); the group takes it off the collected output.
 """
 
 from __future__ import annotations
@@ -29,11 +29,18 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
+from distributed import Future
+from tensordict import TensorDict, TensorDictBase
+
 from .errors import ConcatError, DispatchError
+from .futures import DataProtoFuture
+from .protocol import DataProto, concat_tensordicts, pad_rows
 
 __all__ = [
     "PADDING_SIZE_KEY",
     "RankOutputs",
+    "check_per_rank",
     "collect_all_to_all",
     "collect_dp_compute",
     "collect_dp_compute_data_proto",
@@ -66,15 +73,24 @@ def _labelled(args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) 
         yield f"argument {key!r}", value
 
 
-def _check_per_rank(mode: str, worker_group: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    world_size = worker_group.world_size
+def check_per_rank(
+    mode: str, world_size: int, args: tuple[Any, ...], kwargs: Mapping[str, Any], hint: str = ""
+) -> None:
+    """Check that every argument holds one entry per rank (a list or tuple of length
+    ``world_size``): the input of ``ALL_TO_ALL``/``DP_COMPUTE``, and what every dispatch
+    function must return.
+
+    Args:
+        mode: who expects it, for the message (``"ALL_TO_ALL"``, ``"the dispatch function of g.m"``).
+        hint: what to do instead, appended to the message of an argument that is no list.
+    Raises:
+        DispatchError: naming the argument, its type or length, and ``world_size``.
+    """
     for label, value in _labelled(args, kwargs):
         if not isinstance(value, (list, tuple)):
             raise DispatchError(
                 f"{mode} expects every argument to hold one entry per rank (a list or tuple of length "
-                f"world_size={world_size}); {label} has type {type(value).__name__}. Pass a list of "
-                f"{world_size} values, or register the method with Dispatch.ONE_TO_ALL to send the "
-                f"same value to every rank"
+                f"world_size={world_size}); {label} has type {type(value).__name__}{hint}"
             )
         if len(value) != world_size:
             raise DispatchError(
@@ -83,32 +99,15 @@ def _check_per_rank(mode: str, worker_group: Any, args: tuple[Any, ...], kwargs:
             )
 
 
-def _future_type() -> type | None:
-    """``DataProtoFuture``, or ``None`` while ``daskwg.futures`` is not available."""
-    try:
-        from .futures import DataProtoFuture
-    except ModuleNotFoundError as exc:
-        if exc.name != "daskwg.futures":
-            raise
-        return None
-    return DataProtoFuture
-
-
-def _batch_types() -> tuple[type, ...]:
-    from tensordict import TensorDict
-
-    from .protocol import DataProto
-
-    future = _future_type()
-    return (DataProto, TensorDict) if future is None else (DataProto, TensorDict, future)
+_ONE_TO_ALL_HINT = (
+    ". Pass a list of {n} values, or register the method with Dispatch.ONE_TO_ALL to send the same value to "
+    "every rank"
+)
 
 
 def _check_batches(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) -> None:
-    from tensordict import TensorDictBase
-
-    types = _batch_types()
     for label, value in _labelled(args, kwargs, start):
-        if not isinstance(value, types):
+        if not isinstance(value, (DataProto, TensorDict, DataProtoFuture)):
             raise DispatchError(
                 f"{mode} splits DataProto, DataProtoFuture or TensorDict arguments over the ranks; "
                 f"{label} has type {type(value).__name__}. Wrap it in a DataProto: "
@@ -126,10 +125,6 @@ def _check_batches(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], 
 
 def _num_rows(value: Any) -> int | None:
     """Rows of a DataProto or TensorDict; ``None`` for a DataProtoFuture (not known here)."""
-    from tensordict import TensorDict
-
-    from .protocol import DataProto
-
     if isinstance(value, DataProto):
         return len(value)
     if isinstance(value, TensorDict):
@@ -149,20 +144,8 @@ def _split_tensordict(td: Any, chunks: int) -> list[Any]:
     return [piece.clone() for piece in td.split(sizes, dim=0)]
 
 
-def _pad_tensordict(td: Any, pad_size: int) -> Any:
-    """A copy of ``td`` with ``pad_size`` rows appended, repeating rows from the start."""
-    import torch
-
-    if pad_size == 0:
-        return td
-    index = torch.arange(pad_size) % td.batch_size[0]
-    return torch.cat([td, td[index]], dim=0)
-
-
 def _split_batch(label: str, value: Any, chunks: int) -> list[Any]:
     """Split one DataProto / TensorDict / DataProtoFuture into exactly ``chunks`` pieces."""
-    from tensordict import TensorDict
-
     rows = _num_rows(value)
     if rows is not None and rows < chunks:
         raise DispatchError(f"{label} has {rows} rows, fewer than the {chunks} pieces it must be split into")
@@ -215,10 +198,6 @@ def _concat_releasing(parts: list[Any]) -> Any:
     device (no memory). Parts that are not flat TensorDicts of plain CPU tensors take
     the ordinary path.
     """
-    import torch
-    from tensordict import TensorDict
-
-    from .protocol import DataProto
 
     def plain(part: Any) -> bool:
         td = part.batch
@@ -264,11 +243,6 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
     raises :class:`ConcatError` naming the method and the ranks when ``outputs`` is the
     group's :class:`RankOutputs`.
     """
-    from distributed import Future
-    from tensordict import TensorDictBase
-
-    from .protocol import DataProto, _concat_tensordicts
-
     method = getattr(outputs, "method", None)
     ranks = getattr(outputs, "ranks", None) or list(range(len(outputs)))
     if keep is not None:
@@ -278,7 +252,7 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
         raise ValueError(f"{mode} has no outputs to collect")
     for kind, concat in (
         (DataProto, DataProto.concat),
-        (TensorDictBase, _concat_tensordicts),
+        (TensorDictBase, concat_tensordicts),
         (Future, functools.partial(_concat_futures, method=method, ranks=ranks)),
     ):
         if isinstance(outputs[0], kind):
@@ -297,8 +271,6 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
 
 
 def _concat_futures(futures: list[Any], method: str | None = None, ranks: list[int] | None = None) -> Any:
-    from .futures import DataProtoFuture
-
     return DataProtoFuture(futures=list(futures), method=method, ranks=ranks)
 
 
@@ -321,7 +293,8 @@ def dispatch_all_to_all(
     Raises:
         DispatchError: an argument is not a list/tuple of length ``world_size``.
     """
-    _check_per_rank("ALL_TO_ALL", worker_group, args, kwargs)
+    n = worker_group.world_size
+    check_per_rank("ALL_TO_ALL", n, args, kwargs, _ONE_TO_ALL_HINT.format(n=n))
     return tuple(list(arg) for arg in args), {key: list(value) for key, value in kwargs.items()}
 
 
@@ -348,7 +321,8 @@ def dispatch_dp_compute(
         DispatchError: an argument is not a list/tuple of length ``world_size`` (the message
             names the argument, its length and ``world_size``).
     """
-    _check_per_rank("DP_COMPUTE", worker_group, args, kwargs)
+    n = worker_group.world_size
+    check_per_rank("DP_COMPUTE", n, args, kwargs, _ONE_TO_ALL_HINT.format(n=n))
     return tuple(list(arg) for arg in args), {key: list(value) for key, value in kwargs.items()}
 
 
@@ -376,8 +350,6 @@ def dispatch_dp_compute_data_proto(
         DispatchError: an argument of another type (message names it and its type),
             arguments of different lengths, or a batch with no rows.
     """
-    from .protocol import DataProto, pad_dataproto_to_divisor
-
     mode = "DP_COMPUTE_PROTO"
     _check_batches(mode, args, kwargs)
     n = worker_group.world_size
@@ -387,10 +359,8 @@ def dispatch_dp_compute_data_proto(
     pad_size = (-length) % n if length else 0
 
     def pad_and_split(label: str, value: Any) -> list[Any]:
-        if isinstance(value, DataProto):
-            value, _ = pad_dataproto_to_divisor(value, n)
-        elif _num_rows(value) is not None:
-            value = _pad_tensordict(value, pad_size)
+        if _num_rows(value) is not None:
+            value, _ = pad_rows(value, n)
         return _split_batch(label, value, n)
 
     split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))
@@ -463,34 +433,38 @@ def collect_dp_compute_data_proto(worker_group: Any, outputs: list[Any]) -> Any:
     return _concat_outputs("DP_COMPUTE_PROTO", outputs)
 
 
-def _lookup_dispatch_info(mesh_name: str, worker_group: Any) -> list[int]:
-    cached = worker_group._dispatch_info.get(mesh_name)
+def _lookup_mesh(mesh_name: str, worker_group: Any, collect: bool) -> list:
+    """The per-rank dp ranks (``collect=False``) or collect flags (``collect=True``) of
+    ``mesh_name``, asked of the ranks once and cached on the group (verl's
+    ``_query_dispatch_info`` / ``_query_collect_info`` and their caches).
+
+    Raises:
+        DispatchError: an answer per rank missing, dp ranks that do not cover
+            ``0..dp_size-1``, or no rank marked ``is_collect``.
+    """
+    cache = worker_group._collect_info if collect else worker_group._dispatch_info
+    cached = cache.get(mesh_name)
     if cached is not None:
         return cached
-    mapping = [int(dp_rank) for dp_rank in worker_group._query_dispatch_info(mesh_name)]
     n = worker_group.world_size
-    if len(mapping) != n:
-        raise DispatchError(f"mesh {mesh_name!r}: got dp ranks for {len(mapping)} ranks, the group has {n}")
-    if not mapping or min(mapping) < 0 or set(mapping) != set(range(max(mapping) + 1)):
+    if collect:
+        values = [bool(flag) for flag in worker_group._query_collect_info(mesh_name)]
+        what = "collect flags"
+    else:
+        values = [int(dp_rank) for dp_rank in worker_group._query_dispatch_info(mesh_name)]
+        what = "dp ranks"
+    if len(values) != n:
+        raise DispatchError(f"mesh {mesh_name!r}: got {what} for {len(values)} ranks, the group has {n}")
+    if collect and not any(values):
         raise DispatchError(
-            f"mesh {mesh_name!r}: dp ranks per rank {mapping} must cover 0..dp_size-1 without gaps"
+            f"mesh {mesh_name!r}: no rank is marked is_collect=True, nothing would be returned"
         )
-    worker_group._dispatch_info[mesh_name] = mapping
-    return mapping
-
-
-def _lookup_collect_info(mesh_name: str, worker_group: Any) -> list[bool]:
-    cached = worker_group._collect_info.get(mesh_name)
-    if cached is not None:
-        return cached
-    mask = [bool(flag) for flag in worker_group._query_collect_info(mesh_name)]
-    n = worker_group.world_size
-    if len(mask) != n:
-        raise ValueError(f"mesh {mesh_name!r}: got collect flags for {len(mask)} ranks, the group has {n}")
-    if not any(mask):
-        raise ValueError(f"mesh {mesh_name!r}: no rank is marked is_collect=True, nothing would be returned")
-    worker_group._collect_info[mesh_name] = mask
-    return mask
+    if not collect and (not values or min(values) < 0 or set(values) != set(range(max(values) + 1))):
+        raise DispatchError(
+            f"mesh {mesh_name!r}: dp ranks per rank {values} must cover 0..dp_size-1 without gaps"
+        )
+    cache[mesh_name] = values
+    return values
 
 
 def dispatch_nd_compute_dataproto(
@@ -508,7 +482,7 @@ def dispatch_nd_compute_dataproto(
     """
     mode = f"mesh dispatch {mesh_name!r}"
     _check_batches(mode, args, kwargs)
-    mapping = _lookup_dispatch_info(mesh_name, worker_group)
+    mapping = _lookup_mesh(mesh_name, worker_group, collect=False)
     dp_size = max(mapping) + 1
 
     def per_rank(label: str, value: Any) -> list[Any]:
@@ -527,10 +501,11 @@ def collect_nd_compute_dataproto(mesh_name: str, worker_group: Any, outputs: lis
     ``worker_group._query_collect_info`` and cached in ``worker_group._collect_info``.
 
     Raises:
-        ValueError: ``outputs`` does not have ``world_size`` entries, or no rank collects.
+        DispatchError: no rank collects (also a ``ValueError``).
+        ValueError: ``outputs`` does not have ``world_size`` entries.
         TypeError: the collected outputs are not all DataProto / TensorDict / Dask futures.
     """
-    mask = _lookup_collect_info(mesh_name, worker_group)
+    mask = _lookup_mesh(mesh_name, worker_group, collect=True)
     if len(outputs) != len(mask):
         raise ValueError(f"mesh {mesh_name!r}: expected {len(mask)} outputs, got {len(outputs)}")
     return _concat_outputs(f"mesh collect {mesh_name!r}", outputs, keep=mask)

@@ -75,7 +75,7 @@ class RankError(WorkerGroupError):
             exception_type = exception_type or (
                 cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
             )
-            message = _safe_str(exception) if message is None else message
+            message = safe_str(exception) if message is None else message
         self.exception_type = exception_type or ""
         self.message = message or ""
         super().__init__(rank, address, method, remote_traceback, exception)
@@ -96,7 +96,8 @@ class RankError(WorkerGroupError):
         return (_rebuild_rank_error, (type(self), state, self.exception_type, self.message))
 
 
-def _safe_str(exc: BaseException) -> str:
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a note saying that it raised (a user ``__str__`` may)."""
     try:
         return str(exc)
     except Exception as inner:  # noqa: BLE001 - a user __str__ that raises

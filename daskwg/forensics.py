@@ -1,7 +1,7 @@
 """What the ranks are doing, read from their workers: ``wg.status()`` and the verdict of
 a :class:`daskwg.CallTimeoutError`.
 
-Every worker's host plugin answers ``daskwg_status`` (see ``plugin.HostPlugin``) with
+Every worker's host plugin answers ``daskwg_status`` (see ``daskwg.plugin.HostPlugin``) with
 one record per hosted rank and per queued call, the running one with its thread's
 Python stack. A worker that does not answer within ``daskwg.status-timeout`` seconds is
 "unresponsive" (a stopped or frozen process: its event loop cannot run); one the

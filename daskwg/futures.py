@@ -11,7 +11,7 @@ rows, concatenated in rank order, minus ``pad_size`` trailing padding rows), the
 operations to apply, and optionally the piece it stands for (``chunk``). Handed to
 a group call, each consuming rank evaluates the plan for its own rows only: it maps
 its row range back through the operations to the rows of the parts it needs and
-fetches just those rows from the workers holding them (``daskwg.parts``).
+fetches just those rows from the workers holding them (``daskwg.plugin.rows``).
 :meth:`DataProtoFuture.get` evaluates the same plan in the driver.
 """
 
@@ -23,10 +23,21 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
+from tensordict import TensorDictBase
 
 from .errors import ConcatError
+from .protocol import DataProto, concat_tensordicts, unpad_rows
 
-__all__ = ["DataProtoFuture", "concat_parts", "materialize", "evaluate", "chunk_bounds"]
+__all__ = [
+    "DataProtoFuture",
+    "concat_parts",
+    "materialize",
+    "evaluate",
+    "chunk_bounds",
+    "rows_of",
+    "select_columns",
+]
 
 
 def concat_parts(parts: list) -> Any:
@@ -36,14 +47,10 @@ def concat_parts(parts: list) -> Any:
     """
     if len(parts) == 1:
         return parts[0]
-    from .protocol import DataProto, _concat_tensordicts
-
     if all(isinstance(p, DataProto) for p in parts):
         return DataProto.concat(list(parts))
-    from tensordict import TensorDictBase
-
     if all(isinstance(p, TensorDictBase) for p in parts):
-        return _concat_tensordicts(list(parts))
+        return concat_tensordicts(list(parts))
     kinds = sorted({type(p).__name__ for p in parts})
     raise TypeError(f"a DataProtoFuture must resolve to DataProto or TensorDict parts, got {kinds}")
 
@@ -67,13 +74,12 @@ def chunk_bounds(rows: int, index: int, chunks: int) -> tuple[int, int]:
 
 
 def _take_chunk(data: Any, *, index: int, chunks: int) -> Any:
-    start, stop = chunk_bounds(_rows_of(data), index, chunks)
+    start, stop = chunk_bounds(rows_of(data), index, chunks)
     return data[start:stop]
 
 
-def _rows_of(value: Any) -> int:
-    from .protocol import DataProto
-
+def rows_of(value: Any) -> int:
+    """Rows of a DataProto or TensorDict (0 for a TensorDict without a batch dimension)."""
     if isinstance(value, DataProto):
         return len(value)
     return int(value.batch_size[0]) if value.batch_dims else 0
@@ -104,10 +110,7 @@ def materialize(
         if method is None:
             raise
         raise exc.in_call(method, list(ranks) if ranks is not None else list(range(len(values)))) from None
-    if pad_size:
-        from .protocol import DataProto, unpad_dataproto
-
-        out = unpad_dataproto(out, pad_size) if isinstance(out, DataProto) else out[: len(out) - pad_size]
+    out = unpad_rows(out, pad_size)
     if dispatch_fn is not None:
         out = dispatch_fn(out)
     return out
@@ -182,8 +185,6 @@ class DataProtoFuture:
             TypeError: ``other`` is neither. Differing row counts or keys holding
             different values raise ``ValueError`` where the rows are materialised.
         """
-        from .protocol import DataProto
-
         if isinstance(other, DataProtoFuture):
             if other.rows is not None or other.dispatch_fn is not None:
                 raise ValueError("cannot union with a piece of a chunked DataProtoFuture")
@@ -355,11 +356,11 @@ class DataProtoFuture:
 
 def _evaluate_values(plan: tuple, values: list) -> Any:
     """Evaluate ``plan`` over the parts' values themselves (driver, or a rank that got them)."""
-    lengths = [_rows_of(v) for v in values]
+    lengths = [rows_of(v) for v in values]
     metas = [getattr(v, "meta_info", None) for v in values]
 
     def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
-        return _select_columns(values[part][start:stop], columns)
+        return select_columns(values[part][start:stop], columns)
 
     return evaluate(plan, lengths, metas, fetch)
 
@@ -454,10 +455,12 @@ def _narrow(columns: Any, batch_keys: list | None, non_tensor_keys: list | None)
     return b, n
 
 
-def _select_columns(value: Any, columns: Any) -> Any:
-    """``value`` with only the wanted columns (those it has), ``meta_info`` kept."""
-    from .protocol import DataProto
+def select_columns(value: Any, columns: Any) -> Any:
+    """``value`` with only the wanted columns (those it has), ``meta_info`` kept.
 
+    Args:
+        columns: ``None`` (all) or ``(batch_keys, non_tensor_batch_keys)``, each a set or ``None``.
+    """
     if columns is None or not isinstance(value, DataProto):
         return value
     batch_keys, non_tensor_keys = columns
@@ -471,12 +474,8 @@ def _select_columns(value: Any, columns: Any) -> Any:
 
 
 def _eval_base(base: tuple, idx: np.ndarray, columns: Any, lengths, metas, fetch) -> Any:
-    import torch
-
-    from .protocol import DataProto
-
     if base[0] == "local":
-        data = _select_columns(base[1], columns)
+        data = select_columns(base[1], columns)
         return data.select_idxs(idx) if isinstance(data, DataProto) else data[torch.from_numpy(idx)]
     _, part_numbers, _ = base
     lo, hi = (int(idx.min()), int(idx.max()) + 1) if len(idx) else (0, 0)
@@ -502,6 +501,4 @@ def _merged_meta(metas: list[dict]) -> dict:
     """``meta_info`` as ``DataProto.concat`` of all parts would merge it."""
     if len(metas) == 1:
         return dict(metas[0])
-    from .protocol import DataProto
-
     return DataProto.concat([DataProto(meta_info=dict(m)) for m in metas]).meta_info

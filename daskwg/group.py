@@ -1,38 +1,32 @@
-"""The driver side: :class:`WorkerGroup`, verl's ``RayWorkerGroup`` on Dask.
+"""The public group: :class:`WorkerGroup`, verl's ``RayWorkerGroup`` on Dask.
 
-A call on a group goes dispatch (``decorator``: split the arguments per rank) → send
-(``transport``: one call per rank, pinned to the rank's Dask worker) → host
-(``plugin``: the ordered thread on the worker runs the user's method) → collect
-(``decorator``: merge the per-rank results). This module holds the group's life cycle
-(placement, rank environment, build, attach, shutdown), the binding of registered
-methods, dispatch and collect; how calls and data travel is ``transport``'s.
+A call on a group goes dispatch → send → host → collect (see ``daskwg.binding``, which
+binds the registered methods). This module holds the group's life cycle: placement,
+rank environment, build, attach, restart, shutdown; how calls and data travel is
+``daskwg.transport``'s, and the ranks live in ``daskwg.plugin`` on the workers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import logging
-import pickle
-import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
-import dask.config
-from distributed import Client, Future, fire_and_forget
+from distributed import Client, fire_and_forget
 
-from . import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from .colocate import ColocatedWorker, role_classes_of
+from . import records
+from .binding import RESERVED, BoundGroup
+from .colocate import role_classes_of
+from .config import Settings
 from .deadlines import deadline
-from .decorator import Execute, get_predefined_dispatch_fn, get_registered_method
-from .dispatch import PADDING_SIZE_KEY, RankOutputs
-from .errors import CallTimeoutError, DispatchError, GroupBrokenError, WorkerGroupError, WorldSizeError
-from .futures import DataProtoFuture
-from .pool import ResourcePool
+from .errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
+from .install import install_plugins
+from .pool import ResourcePool, WorkerSlot
+from .restart import check_restartable, restart_workers
+from .roles import RoleGroup, spawn_role_groups
 from .transport import GroupTransport
 from .wire import RANK_ENV_KEYS
 from .worker import ClassWithInitArgs
@@ -41,10 +35,8 @@ __all__ = ["WorkerGroup", "ClassWithInitArgs"]
 
 logger = logging.getLogger(__name__)
 
-_METADATA_ROOT = "daskwg-groups"
 
-
-class WorkerGroup:
+class WorkerGroup(BoundGroup):
     """A set of ranks, each an instance of the user's class in one Dask worker.
 
     Args:
@@ -100,66 +92,78 @@ class WorkerGroup:
             if isinstance(cls_or_cls_with_init, ClassWithInitArgs)
             else ClassWithInitArgs(cls_or_cls_with_init)
         )
-        env = _check_worker_env(worker_env)
-        if master_port is not None and (
-            isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 < master_port < 65536
-        ):
-            raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
-        if name is not None and (not isinstance(name, str) or not name or "/" in name):
-            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-        if detached and name is None:
-            raise ValueError("a detached group needs a name= to be attached to later")
-
+        env = _check_options(worker_env, master_port, name, detached)
         if isinstance(workers, ResourcePool):
             pool = workers
             if world_size is not None and world_size != pool.world_size:
                 pool = ResourcePool(client, world_size=world_size, workers=pool.workers)
         else:
-            pool = ResourcePool(
-                client,
-                world_size=world_size,
-                workers=workers,
-                resources=dict(resources) if resources else None,
-            )
-
-        self._client = client
-        self._cls = cls_with_init.cls
+            pool = ResourcePool(client, world_size, workers, dict(resources) if resources else None)
+        group_id = uuid.uuid4().hex
+        self._setup(
+            client,
+            cls_with_init.cls,
+            name or f"{cls_with_init.cls.__name__}-{group_id[:8]}",
+            group_id,
+            pool.slots,
+            client.id,
+            detached,
+        )
         self._cls_with_init = cls_with_init
         self._worker_env = env
         self._requested_port = master_port
         self._role_classes = role_classes_of(cls_with_init)
-        self._group_id = uuid.uuid4().hex
-        self._name = name or f"{self._cls.__name__}-{self._group_id[:8]}"
-        self._slots = pool.slots
-        self._owner = client.id
-        self._detached = detached
-        self._closed = False
-        self._dispatch_info: dict[str, list[int]] = {}
-        self._collect_info: dict[str, list[bool]] = {}
-        self._methods = self._bind_registered_methods()
-        self._transport = GroupTransport(client, self._slots, self._name, self._group_id, self._owner)
-        self._check_name_free()
+        records.check_name_free(client, self._name, self._owner)
         self._build_ranks()
         self._publish()
-        self._finalizer = None
         if not detached:
             # Like a Ray actor that dies with its last handle: a group the program drops
             # without shutdown() gives its ranks (and their memory) back.
-            self._transports = [self._transport]
             self._finalizer = weakref.finalize(
-                self, _release_dropped_group, self._transports, [_METADATA_ROOT, self._name]
+                self, _release_dropped_group, self._transports, records.key_of(self._name)
             )
             self._finalizer.atexit = False
 
+    def _setup(
+        self,
+        client: Client,
+        cls: type,
+        name: str,
+        group_id: str,
+        slots: Sequence[WorkerSlot],
+        owner: str,
+        detached: bool,
+    ) -> None:
+        """The state a group has whether it was built here or attached."""
+        self._client = client
+        self._cls = cls
+        self._name = name
+        self._group_id = group_id
+        self._slots = list(slots)
+        self._owner = owner
+        self._detached = detached
+        self._closed = False
+        self._finalizer: weakref.finalize | None = None
+        self._cls_with_init: ClassWithInitArgs | None = None
+        self._role_classes: dict[str, type] | None = None
+        self._dispatch_info: dict[str, list[int]] = {}
+        self._collect_info: dict[str, list[bool]] = {}
+        self._methods = self._bind_registered_methods()
+        install_plugins(client)
+        self._transport = GroupTransport(client, self._slots, name, group_id, owner)
+        # The finaliser holds this list, not the group: restart() swaps the transport in it.
+        self._transports = [self._transport]
+
     def _build_ranks(self) -> None:
         """Reserve ``MASTER_PORT`` and instantiate the class on every rank (all or none)."""
+        settings = Settings.current()
         self._master_addr = self._slots[0].host
-        self._master_port = self._reserve_port(self._requested_port)
+        self._master_port = self._client.sync(self._transport.reserve_port, self._requested_port)
         hosts = [s.host for s in self._slots]
-        envs = []
-        for rank, host in enumerate(hosts):
-            envs.append(
-                {
+        payloads = [
+            {
+                "cls": self._cls_with_init,
+                "env": {
                     **self._worker_env,
                     "RANK": str(rank),
                     "WORLD_SIZE": str(self.world_size),
@@ -167,32 +171,23 @@ class WorkerGroup:
                     "LOCAL_WORLD_SIZE": str(hosts.count(host)),
                     "MASTER_ADDR": self._master_addr,
                     "MASTER_PORT": str(self._master_port),
-                }
-            )
-        # Read in the driver, so a setting applies to the groups it builds there.
-        options = {
-            "skip_signal_handlers": bool(dask.config.get("daskwg.skip-signal-handlers")),
-            "check_process_group": bool(dask.config.get("daskwg.check-process-group")),
-        }
-        payloads = [
-            {
-                "cls": self._cls_with_init,
-                "env": e,
+                },
                 "detached": self._detached,
                 "world_size": self.world_size,
-                **options,
+                # Read in the driver, so a setting applies to the groups it builds there.
+                "skip_signal_handlers": settings.skip_signal_handlers,
+                "check_process_group": settings.check_process_group,
             }
-            for e in envs
+            for rank, host in enumerate(hosts)
         ]
-        ranks = list(range(self.world_size))
         try:
             self._send(
                 "__init__",
-                ranks,
+                list(range(self.world_size)),
                 payloads,
                 blocking=True,
                 raw_payload=True,
-                settle=self._init_settle_seconds(),
+                settle=settings.rank_failure_grace,
             )
         except BaseException:
             self._destroy_ranks()
@@ -223,50 +218,16 @@ class WorkerGroup:
         return self._master_addr, self._master_port
 
     @property
-    def method_names(self) -> list[str]:
-        """Names of the registered methods bound on this group."""
-        return sorted(self._methods)
-
-    @property
     def _broken(self) -> WorkerGroupError | None:
         return self._transport.broken
 
     @property
     def is_broken(self) -> bool:
         """Whether a worker was lost or ranks fell out of step (later calls raise)."""
-        self._settle()
+        self._transport.settle()
         return self._broken is not None
 
-    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
-        """Run ``method_name`` on every rank and wait; returns the per-rank results.
-
-        An argument that is a list of exactly ``world_size`` items (all arguments
-        being such lists) is split one item per rank; otherwise every rank gets every
-        argument, as verl's ``execute_all_async`` does.
-        """
-        return self._execute_all(method_name, args, kwargs, blocking=True)
-
-    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
-        """As :meth:`execute_all_sync` but returns one ``distributed.Future`` per rank."""
-        return self._execute_all(method_name, args, kwargs, blocking=False)
-
-    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
-        """Alias of :meth:`execute_all_async`, as in verl."""
-        return self.execute_all_async(method_name, *args, **kwargs)
-
-    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``method_name`` on rank 0 only and return its result."""
-        return self._send(method_name, [0], [(args, kwargs)], blocking=True)[0]
-
-    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
-        """Run ``method_name`` on rank 0 only; returns its ``distributed.Future``."""
-        return self._send(method_name, [0], [(args, kwargs)], blocking=False)[0]
-
-    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
-        """Alias of :meth:`execute_rank_zero_async`, as in verl."""
-        return self.execute_rank_zero_async(method_name, *args, **kwargs)
-
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RoleGroup]:
         """One group per role of a colocated group (verl's ``RayWorkerGroup.spawn``).
 
         Args:
@@ -279,7 +240,7 @@ class WorkerGroup:
             TypeError: this group's class is not a colocated worker.
             ValueError: an unknown role name.
         """
-        return _spawn_role_groups(self, prefix_set)
+        return spawn_role_groups(self, prefix_set)
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
         """Set every role group of :meth:`spawn` as an attribute: ``wg.actor.add(data)``
@@ -291,7 +252,7 @@ class WorkerGroup:
         """
         role_groups = self.spawn(prefix_set)
         for role in role_groups:
-            if role in self._methods or hasattr(type(self), role) or role in _RESERVED:
+            if role in self._methods or hasattr(type(self), role) or role in RESERVED:
                 raise ValueError(
                     f"role {role!r} clashes with the attribute {role!r} of the group; rename the role"
                 )
@@ -303,17 +264,15 @@ class WorkerGroup:
 
         Returns:
             one dict per rank, in rank order: ``rank``, ``address``, ``state``
-            (``"running"``, ``"queued"``, ``"idle"``, ``"unresponsive"``: the worker did
-            not answer within ``daskwg.status-timeout`` seconds, e.g. a stopped
-            process; ``"lost"``: the worker or the rank is gone), ``method`` (the running
-            or first queued call), ``seconds`` (since it started or was queued),
-            ``stack`` (the Python stack of the rank's thread while running), plus
-            ``last_error`` (the rank's last failure there), ``queued`` (how many of
-            its calls wait) and ``cancelled`` (the running call's future was cancelled:
-            a sync method runs to its end; see "Cancelling a call" in the failure
-            model). A running rank's stack shows where it is stuck, e.g. in
-            ``all_reduce``. Takes at most about ``daskwg.status-timeout`` seconds.
-            Calls the driver abandoned (a deadline, Ctrl-C) show here while they run.
+            (``"running"``, ``"queued"``, ``"idle"``, ``"unresponsive"``: no answer within
+            ``daskwg.status-timeout`` seconds, e.g. a stopped process; ``"lost"``: the
+            worker or the rank is gone), ``method`` (the running or first queued call),
+            ``seconds`` (since it started or was queued), ``stack`` (the rank thread's
+            Python stack while running, e.g. in ``all_reduce``), ``last_error``,
+            ``queued`` (how many of its calls wait) and ``cancelled`` (the running call's
+            future was cancelled: a sync method runs to its end). Calls the driver
+            abandoned (a deadline, Ctrl-C) show while they run. Takes at most about
+            ``daskwg.status-timeout`` seconds.
         """
         return self._transport.status()
 
@@ -338,59 +297,21 @@ class WorkerGroup:
         """
         if self._closed:
             raise GroupBrokenError(f"group {self._name!r} was shut down; build a new one")
-        if not hasattr(self, "_cls_with_init"):
+        if self._cls_with_init is None:
             raise WorkerGroupError(
                 f"group {self._name!r} was attached, not built by this driver: its init arguments are not "
                 "known here; restart it from the driver that built it"
             )
         old_slots = self._slots
-        info = self._client.scheduler_info(n_workers=-1)["workers"]
-        missing = [s.address for s in old_slots if s.address not in info]
-        no_nanny = [s.address for s in old_slots if s.address in info and not info[s.address].get("nanny")]
-        if no_nanny:
-            raise WorkerGroupError(
-                f"cannot restart group {self._name!r}: worker(s) {no_nanny} have no Nanny to restart them "
-                "(processes=False, or dask worker --no-nanny); restart those workers yourself and build a new group"
-            )
-        addresses = sorted({s.address for s in old_slots} - set(missing))
+        check_restartable(self._client, old_slots, self._name)
         self._transport.close()
-        if addresses:
-            # Whether they are back is checked below, by process id, with its own bound.
-            self._client.restart_workers(workers=addresses, raise_for_error=False)
-        self._slots = self._restarted_slots(old_slots)
+        self._slots = restart_workers(self._client, old_slots, self._transport.driver.lost, self._name)
         self._transport = GroupTransport(self._client, self._slots, self._name, self._group_id, self._owner)
-        if getattr(self, "_transports", None) is not None:
-            self._transports[:] = [self._transport]
+        self._transports[:] = [self._transport]
         self._dispatch_info.clear()
         self._collect_info.clear()
         self._build_ranks()
         self._publish()
-
-    def _restarted_slots(self, old_slots: list) -> list:
-        """The slots of the restarted workers (same names, new processes), in rank order."""
-        driver = self._transport.driver
-        timeout = 120.0
-        end = time.monotonic() + timeout
-        names = [s.name for s in old_slots]
-        while True:
-            # The scheduler's remove-worker events must be in before the new processes
-            # are watched, or a late one would mark the new process lost.
-            events_in = all(s.server_id in driver.lost for s in old_slots)
-            try:
-                by_name = {s.name: s for s in ResourcePool(self._client, workers=names).slots}
-            except (ValueError, WorldSizeError):
-                by_name = {}
-            fresh = [by_name.get(s.name) for s in old_slots]
-            if events_in and all(
-                f is not None and f.server_id != o.server_id for f, o in zip(fresh, old_slots)
-            ):
-                return fresh
-            if time.monotonic() > end:
-                raise WorkerGroupError(
-                    f"the workers of group {self._name!r} did not come back within {timeout:g} s of their "
-                    f"restart ({names}); the group is unusable: shut it down"
-                )
-            time.sleep(0.1)
 
     def shutdown(self) -> None:
         """Destroy the rank objects on every worker and forget the group. Idempotent.
@@ -403,7 +324,7 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_finalizer", None) is not None:
+        if self._finalizer is not None:
             self._finalizer.detach()
         self._transport.close()
         if self._client.status != "running":
@@ -411,10 +332,7 @@ class WorkerGroup:
             # the scheduler gone, closed themselves).
             return
         self._destroy_ranks()
-        try:
-            self._client.set_metadata([_METADATA_ROOT, self._name], None)
-        except Exception:  # noqa: BLE001 - the scheduler may be gone already
-            pass
+        records.forget(self._client, self._name)
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -426,22 +344,6 @@ class WorkerGroup:
         state = "closed" if self._closed else "broken" if self._broken else "ready"
         return f"<WorkerGroup {self._name!r} {self._cls.__name__} world_size={self.world_size} {state}>"
 
-    def __getattr__(self, item: str) -> Any:
-        # Only reached for names that are not attributes: unknown methods.
-        if item.startswith("__") or item in ("_methods", "_cls"):
-            raise AttributeError(item)
-        methods = self.__dict__.get("_methods", {})
-        cls = self.__dict__.get("_cls")
-        cls_name = cls.__name__ if cls is not None else "the worker class"
-        hint = (
-            f"{cls_name}.{item} exists but is not decorated with @register"
-            if cls is not None and hasattr(cls, item)
-            else f"{cls_name} has no method {item!r}"
-        )
-        raise AttributeError(
-            f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}"
-        )
-
     @classmethod
     def attach(cls, client: Client, name: str) -> WorkerGroup:
         """Reattach to a detached group by name, from any client of the cluster.
@@ -452,92 +354,51 @@ class WorkerGroup:
             ValueError: no detached group of that name exists.
             GroupBrokenError: one of its workers has left or restarted since.
         """
-        record = client.get_metadata([_METADATA_ROOT, name], default=None)
-        if not record or not record.get("detached"):
+        record = records.lookup(client, name)
+        if record is None or not record.detached:
             raise ValueError(f"there is no detached group named {name!r} on this cluster")
-        self = cls.__new__(cls)
         try:
-            pool = ResourcePool(client, workers=list(record["workers"]))
+            pool = ResourcePool(client, workers=list(record.workers))
         except ValueError:
             pool = None
-        if pool is None or [s.server_id for s in pool.slots] != list(record["server_ids"]):
+        if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
             raise GroupBrokenError(
                 f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
             )
-        self._client = client
-        self._cls = pickle.loads(record["cls"])
-        self._role_classes = None
-        self._group_id = record["group_id"]
-        self._name = name
-        self._slots = pool.slots
-        self._owner = record["owner"]
-        self._detached = True
-        self._closed = False
-        self._finalizer = None
-        self._dispatch_info = {}
-        self._collect_info = {}
-        self._master_addr, self._master_port = record["master_addr"], record["master_port"]
-        self._methods = self._bind_registered_methods()
-        self._transport = GroupTransport(client, self._slots, name, self._group_id, self._owner)
+        self = cls.__new__(cls)
+        self._setup(
+            client,
+            cloudpickle.loads(record.cls),
+            name,
+            record.group_id,
+            pool.slots,
+            record.owner,
+            detached=True,
+        )
+        self._master_addr, self._master_port = record.master_addr, record.master_port
         return self
 
-    # ---- building ----------------------------------------------------------------------
-
-    def _bind_registered_methods(self) -> dict[str, Any]:
-        methods = {}
-        for attr_name, attr in inspect.getmembers(self._cls):
-            registered = get_registered_method(attr)
-            if registered is None:
-                continue
-            if attr_name in WorkerGroup.__dict__ or attr_name in _RESERVED:
-                raise ValueError(
-                    f"{self._cls.__name__}.{attr_name} is registered but clashes with the WorkerGroup "
-                    "attribute of that name; rename the method"
-                )
-            bound = functools.partial(self._call_registered, attr_name, registered)
-            functools.update_wrapper(bound, attr)
-            setattr(self, attr_name, bound)
-            methods[attr_name] = registered
-        return methods
-
-    def _check_name_free(self) -> None:
-        record = self._client.get_metadata([_METADATA_ROOT, self._name], default=None)
-        if not record:
-            return
-        # A non-detached group of another driver counts while that driver is connected;
-        # the record of one that left without shutdown() is stale.
-        taken = record.get("detached") or record.get("owner") == self._owner
-        if not taken:
-            taken = record.get("owner") in self._client.run_on_scheduler(_connected_clients)
-        if taken:
-            raise ValueError(
-                f"a worker group named {self._name!r} already exists on this cluster; "
-                "pick another name, shut it down, or WorkerGroup.attach() to it"
-            )
+    # ---- building and destroying -------------------------------------------------------
 
     def _publish(self) -> None:
-        self._client.set_metadata(
-            [_METADATA_ROOT, self._name],
-            {
-                "group_id": self._group_id,
-                "owner": self._owner,
-                "detached": self._detached,
-                "workers": self.workers,
-                "server_ids": [s.server_id for s in self._slots],
-                "cls": cloudpickle.dumps(self._cls),
-                "master_addr": self._master_addr,
-                "master_port": self._master_port,
-            },
+        records.publish(
+            self._client,
+            self._name,
+            records.GroupRecord(
+                group_id=self._group_id,
+                owner=self._owner,
+                detached=self._detached,
+                workers=self.workers,
+                server_ids=[s.server_id for s in self._slots],
+                cls=cloudpickle.dumps(self._cls),
+                master_addr=self._master_addr,
+                master_port=self._master_port,
+            ),
         )
 
-    def _reserve_port(self, port: int | None) -> int:
-        return self._client.sync(self._transport.reserve_port, port)
-
-    def _init_settle_seconds(self) -> float:
-        return float(dask.config.get("daskwg.rank-failure-grace"))
-
     def _destroy_ranks(self) -> None:
-        alive = [r for r, s in enumerate(self._slots) if s.server_id not in self._transport.driver.lost]
+        lost = self._transport.driver.lost
+        alive = [r for r, s in enumerate(self._slots) if s.server_id not in lost]
         # A rank stuck in a call of this (broken) group destroys its object only when
         # that call returns; waiting for it here could take until a collective's timeout.
         # So does every rank of a broken group: one may still be running the call
@@ -562,7 +423,7 @@ class WorkerGroup:
                     self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False)
                 )
             if alive:
-                with deadline(float(dask.config.get("daskwg.shutdown-timeout"))):
+                with deadline(Settings.current().shutdown_timeout):
                     self._send(
                         "__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0
                     )
@@ -578,65 +439,7 @@ class WorkerGroup:
         except Exception as exc:  # noqa: BLE001 - shutting down must not raise on a dying cluster
             logger.warning("group %s: shutdown failed: %s", self._name, exc)
 
-    # ---- calling -----------------------------------------------------------------------
-
-    def _call_registered(self, method_name: str, registered: Any, *args: Any, **kwargs: Any) -> Any:
-        fns = get_predefined_dispatch_fn(registered.dispatch_mode)
-        self._check_usable(method_name)
-        try:
-            d_args, d_kwargs = fns["dispatch_fn"](self, *args, **kwargs)
-        except DispatchError:
-            raise
-        except (TypeError, ValueError, IndexError) as exc:
-            raise DispatchError(f"{self._name}.{method_name}: {exc}") from exc
-        d_kwargs = dict(d_kwargs)
-        pad_size = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
-        for i, value in enumerate(d_args):
-            _check_per_rank(value, self.world_size, f"{self._name}.{method_name}: positional argument {i}")
-        for key, value in d_kwargs.items():
-            _check_per_rank(value, self.world_size, f"{self._name}.{method_name}: argument {key!r}")
-
-        rank_zero_only = registered.execute_mode == Execute.RANK_ZERO
-        ranks = [0] if rank_zero_only else list(range(self.world_size))
-        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
-        outputs = self._send(
-            method_name,
-            ranks,
-            payloads,
-            blocking=registered.blocking,
-            timeout=getattr(registered, "timeout", None),
-        )
-        # The group lets go of the parts, so concatenation can free each one as it goes;
-        # the method name and ranks let a collect error say whose outputs it was merging.
-        outputs = RankOutputs(outputs, method=method_name, ranks=ranks)
-        if rank_zero_only:
-            return outputs[0]
-        result = fns["collect_fn"](self, outputs)
-        if result is outputs:
-            result = list(result)
-        if isinstance(result, DataProtoFuture):
-            result = dataclasses.replace(result, gather=self._gather_any)
-        if pad_size:
-            if isinstance(result, DataProtoFuture):
-                result = result.unpad(pad_size)
-            else:
-                from .protocol import DataProto, unpad_dataproto
-
-                if isinstance(result, DataProto):
-                    result = unpad_dataproto(result, pad_size)
-                else:  # a TensorDict
-                    result = result[: len(result) - pad_size]
-        return result
-
-    def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
-        n = self.world_size
-        values = list(args) + list(kwargs.values())
-        split = bool(values) and all(isinstance(v, list) and len(v) == n for v in values)
-        if split:
-            payloads = [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(n)]
-        else:
-            payloads = [(args, kwargs)] * n
-        return self._send(method_name, list(range(n)), payloads, blocking=blocking)
+    # ---- calling (see daskwg.binding) ----------------------------------------------------
 
     def _check_usable(self, method_name: str) -> None:
         if self._closed:
@@ -648,128 +451,15 @@ class WorkerGroup:
                 f"the client of group {self._name!r} is {self._client.status}: the workers released its ranks "
                 "when it disconnected; connect a new client and build a new group"
             )
-        self._settle()
+        self._transport.settle()
         if self._broken is not None:
             raise self._broken
 
-    def _settle(self) -> None:
-        self._transport.settle()
-
-    def _send(
-        self,
-        method_name: str,
-        ranks: list[int],
-        payloads: list,
-        *,
-        blocking: bool,
-        raw_payload: bool = False,
-        check: bool = True,
-        settle: float | None = None,
-        timeout: float | None = None,
-    ) -> list:
-        """Send one call to each of ``ranks`` (:meth:`GroupTransport.send`), after
-        checking that the group is usable and has the method."""
-        if check:
-            self._check_usable(method_name)
-            if method_name not in self._methods and not hasattr(self._cls, method_name):
-                raise AttributeError(
-                    f"{self._cls.__name__} has no method {method_name!r}; registered methods: "
-                    f"{sorted(self._methods)}"
-                )
-        return self._transport.send(
-            method_name,
-            ranks,
-            payloads,
-            blocking=blocking,
-            raw_payload=raw_payload,
-            check=check,
-            settle=settle,
-            timeout=timeout,
-        )
-
-    def _gather(self, futures: list[Future], method_name: str) -> list:
-        return self._transport.gather(futures, method_name)
+    def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
+        return self._transport.send(method_name, ranks, payloads, **options)
 
     def _gather_any(self, futures: list) -> list:
         return self._transport.gather_any(futures)
-
-
-class _RoleGroup(WorkerGroup):
-    """One role of a colocated group: the role's registered methods over the same ranks.
-
-    Built by :meth:`WorkerGroup.spawn`. It owns nothing: ranks, connection and failure
-    state are the colocated group's (``parent``). Only its bound methods and its mesh
-    caches (``_dispatch_info``/``_collect_info``, filled from the role's own mesh
-    registration) are its own.
-    """
-
-    def __init__(self, parent: WorkerGroup, role: str, role_cls: type):
-        # WorkerGroup.__init__ is not called: the ranks exist already.
-        self._parent = parent
-        self._role = role
-        self._cls = role_cls
-        self._dispatch_info = {}
-        self._collect_info = {}
-        self._methods = self._bind_registered_methods()
-
-    def __getattr__(self, item: str) -> Any:
-        # Everything not set above (client, slots, name, failure state, ...) is the
-        # parent's, read live, so the role group never holds a stale copy.
-        if item.startswith("_") and not item.startswith("__") and item not in ("_parent", "_methods", "_cls"):
-            parent = self.__dict__.get("_parent")
-            if parent is not None:
-                return getattr(parent, item)
-        return super().__getattr__(item)
-
-    def __repr__(self) -> str:
-        return f"<role group {self._role!r} of {self._parent!r}>"
-
-    def _check_usable(self, method_name: str) -> None:
-        self._parent._check_usable(f"{self._role}_{method_name}")
-
-    def _settle(self) -> None:
-        self._parent._settle()
-
-    def _gather_any(self, futures: list) -> list:
-        return self._parent._gather_any(futures)
-
-    def _send(
-        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **kwargs: Any
-    ) -> list:
-        if check:
-            self._check_usable(method_name)
-            if method_name not in self._methods and not hasattr(self._cls, method_name):
-                raise AttributeError(
-                    f"role {self._role!r} ({self._cls.__name__}) has no method {method_name!r}; "
-                    f"registered methods: {sorted(self._methods)}"
-                )
-        return self._parent._send(f"{self._role}_{method_name}", ranks, payloads, check=False, **kwargs)
-
-    def shutdown(self) -> None:
-        """Does nothing: the ranks belong to the colocated group; shut that one down."""
-
-
-def _spawn_role_groups(group: WorkerGroup, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
-    """``WorkerGroup.spawn``: one :class:`_RoleGroup` per requested role, in the order given."""
-    if not (isinstance(group._cls, type) and issubclass(group._cls, ColocatedWorker)):
-        raise TypeError(
-            f"spawn needs a group built from create_colocated_worker_cls (a ColocatedWorker); "
-            f"group {group.name!r} runs {group._cls.__name__}"
-        )
-    if isinstance(prefix_set, str):
-        raise TypeError("prefix_set must be a collection of role names, not a string")
-    wanted = list(prefix_set)
-    role_classes = group._role_classes
-    if role_classes is None:
-        # Not built by this driver (attached): ask rank 0.
-        role_classes = group._send("role_classes", [0], [((), {})], blocking=True)[0]
-    unknown = [role for role in wanted if role not in role_classes]
-    if unknown:
-        raise ValueError(f"group {group.name!r} has no role(s) {unknown}; its roles are {list(role_classes)}")
-    return {role: _RoleGroup(group, role, role_classes[role]) for role in wanted}
-
-
-_RESERVED = {"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"}
 
 
 def _release_dropped_group(transports: list, metadata_key: list) -> None:
@@ -778,11 +468,25 @@ def _release_dropped_group(transports: list, metadata_key: list) -> None:
         transport.release_dropped(metadata_key)
 
 
-def _connected_clients(dask_scheduler) -> list[str]:
-    return list(dask_scheduler.clients)
+def _check_options(
+    worker_env: Mapping[str, str] | None, master_port: int | None, name: str | None, detached: bool
+) -> dict[str, str]:
+    """``worker_env`` as a dict, after checking the group's options (in the driver, before
+    anything is sent).
 
-
-def _check_worker_env(worker_env: Mapping[str, str] | None) -> dict[str, str]:
+    Raises:
+        TypeError: ``worker_env`` is not a ``str -> str`` mapping.
+        ValueError: ``worker_env`` sets a rank variable, ``master_port`` is not in 1..65535,
+            ``name`` is empty or has a ``/``, or a detached group has no name.
+    """
+    if master_port is not None and (
+        isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 < master_port < 65536
+    ):
+        raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
+    if name is not None and (not isinstance(name, str) or not name or "/" in name):
+        raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+    if detached and name is None:
+        raise ValueError("a detached group needs a name= to be attached to later")
     if worker_env is None:
         return {}
     if not isinstance(worker_env, Mapping):
@@ -795,15 +499,3 @@ def _check_worker_env(worker_env: Mapping[str, str] | None) -> dict[str, str]:
                 f"worker_env may not set {key}: daskwg sets {', '.join(RANK_ENV_KEYS)} for every rank"
             )
     return dict(worker_env)
-
-
-def _check_per_rank(value: Any, world_size: int, what: str) -> None:
-    if not isinstance(value, (list, tuple)) or len(value) != world_size:
-        got = (
-            f"a {type(value).__name__} of length {len(value)}"
-            if hasattr(value, "__len__")
-            else type(value).__name__
-        )
-        raise DispatchError(
-            f"{what}: the dispatch function must give one value per rank ({world_size}), got {got}"
-        )

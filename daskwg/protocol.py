@@ -30,6 +30,7 @@ import tensordict
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from . import codec
 from .errors import ConcatError, ConflictError, MetaInfoConflictError
 
 __all__ = [
@@ -43,12 +44,14 @@ __all__ = [
     "fold_batch_dim",
     "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
+    "pad_rows",
     "serialize_single_tensor",
     "serialize_tensordict",
     "unfold_batch_dim",
     "union_numpy_dict",
     "union_tensor_dict",
     "unpad_dataproto",
+    "unpad_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -254,7 +257,7 @@ def _check_trailing_shapes(what: str, shapes: Sequence[Sequence[int]]) -> None:
         )
 
 
-def _concat_tensordicts(parts: Sequence[TensorDictBase]) -> TensorDictBase:
+def concat_tensordicts(parts: Sequence[TensorDictBase]) -> TensorDictBase:
     """``torch.cat(parts, dim=0)`` after checking that every leaf has matching trailing dims.
 
     Raises:
@@ -299,84 +302,8 @@ def _check_union_arrays(d1: dict[str, Any], d2: dict[str, Any], what: str) -> No
 
 # ------------------------------------------------------------- zero-copy pickling
 
-_STATE_VERSION = 1
-
-
-def _device_available(device: str) -> bool:
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return True
-    if dev.type == "cuda":
-        return torch.cuda.is_available() and (dev.index is None or dev.index < torch.cuda.device_count())
-    return False
-
-
-def _is_plain_tensor(t: Any) -> bool:
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and not t.is_nested
-        and not t.is_quantized
-        and t.device.type != "meta"
-    )
-
-
-def _encode_tensor(t: torch.Tensor) -> tuple[Any, ...]:
-    """``("t", dtype, shape, device, flat uint8 numpy view)``; the view shares the tensor's memory."""
-    device = str(t.device)
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    # A byte view lets numpy carry dtypes it does not know (bf16, fp8) and turns
-    # any element size into one flat buffer that pickle 5 ships out of band.
-    data = t.reshape(-1).view(torch.uint8).numpy()
-    return ("t", t.dtype, tuple(t.shape), device, data)
-
-
-def _decode_tensor(dtype: torch.dtype, shape: tuple[int, ...], device: str, data: np.ndarray) -> torch.Tensor:
-    if math.prod(shape) == 0:
-        t = torch.empty(shape, dtype=dtype)
-    else:
-        if not data.flags.writeable:
-            # torch tensors are always writable; read-only buffers must be copied once.
-            data = data.copy()
-        t = torch.from_numpy(data).view(dtype).reshape(shape)
-    if device != "cpu" and _device_available(device):
-        t = t.to(device)
-    return t
-
-
-def _encode_tensordict(td: TensorDictBase) -> tuple[Any, ...]:
-    if type(td) is not TensorDict:
-        # Lazy stacks, tensorclasses, ...: let tensordict pickle them its own way.
-        return ("o", td)
-    entries: dict[str, Any] = {}
-    for key, value in td.items():
-        if isinstance(value, TensorDictBase):
-            entries[key] = _encode_tensordict(value)
-        elif _is_plain_tensor(value):
-            entries[key] = _encode_tensor(value)
-        else:
-            # nested/jagged/sparse tensors and non-tensor data: torch's own pickling.
-            entries[key] = ("o", value)
-    device = None if td.device is None else str(td.device)
-    return ("d", tuple(td.batch_size), device, entries)
-
-
-def _decode_tensordict(state: tuple[Any, ...]) -> Any:
-    kind = state[0]
-    if kind == "o":
-        return state[1]
-    if kind == "t":
-        return _decode_tensor(*state[1:])
-    _, batch_size, device, entries = state
-    source = {key: _decode_tensordict(value) for key, value in entries.items()}
-    if device is not None and not _device_available(device):
-        device = "cpu"
-    return TensorDict(source, batch_size=batch_size, device=device)
+#: The version of ``DataProto.__getstate__``'s state (2: tensors through ``daskwg.codec``).
+_STATE_VERSION = 2
 
 
 # --------------------------------------------------------------------- DataProto
@@ -876,7 +803,7 @@ class DataProto:
                         f"DataProto.concat: part {i} has batch keys {sorted(map(str, keys))}, "
                         f"part 0 has {sorted(map(str, keys0))}"
                     )
-            batch = _concat_tensordicts([p.batch for p in parts])
+            batch = concat_tensordicts([p.batch for p in parts])
         keys0 = list(parts[0].non_tensor_batch)
         for i, part in enumerate(parts[1:], start=1):
             if set(part.non_tensor_batch) != set(keys0):
@@ -1328,18 +1255,18 @@ class DataProto:
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle state in which every plain tensor is a flat uint8 numpy view of its memory.
+        """Pickle state in which every tensor travels as its own bytes (``daskwg.codec``).
 
         verl serialises the TensorDict with ``torch.save`` into one bytes object (one extra
-        copy each way) unless an environment variable asks for numpy. daskwg always hands
-        pickle numpy views, so pickle protocol 5 with a ``buffer_callback`` (what Dask uses)
-        sends each tensor as an out-of-band buffer without copying; any dtype works since
-        the bytes are reinterpreted, not converted. Non-contiguous tensors are made
-        contiguous first (one copy). CUDA tensors are copied to CPU; on load they go back to
-        their device when this process has it, else they stay on CPU. Nested/jagged and other
-        non-strided tensors, and TensorDict subclasses, fall back to their own pickling.
+        copy each way) unless an environment variable asks for numpy. daskwg hands pickle
+        each tensor's bytes as a buffer, so pickle protocol 5 with a ``buffer_callback``
+        (what Dask uses) sends it out of band without copying; any dtype works since the
+        bytes are reinterpreted, not converted; a view carries only its own elements;
+        sparse tensors travel as their index and value tensors. CUDA tensors are copied to
+        CPU; on load they go back to their device when this process has it, else they stay
+        on CPU. Nested/jagged tensors and TensorDict subclasses keep their own pickling.
         """
-        batch = None if self.batch is None else _encode_tensordict(self.batch)
+        batch = None if self.batch is None else codec.tensordict_state(self.batch)
         return {
             "version": _STATE_VERSION,
             "batch": batch,
@@ -1350,7 +1277,7 @@ class DataProto:
     def __setstate__(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError("this DataProto was pickled by an incompatible daskwg version; re-create it")
-        self.batch = None if state["batch"] is None else _decode_tensordict(state["batch"])
+        self.batch = None if state["batch"] is None else codec.tensordict_from_state(state["batch"])
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 
@@ -1421,6 +1348,45 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     if pad_size == 0:
         return data
     return data.slice(0, len(data) - pad_size)
+
+
+def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any, int]:
+    """``value`` padded to a multiple of ``size_divisor`` rows, cycling through its rows:
+    :func:`pad_dataproto_to_divisor` for a DataProto, the same rule for a TensorDict.
+
+    The one place where group calls pad (``DP_COMPUTE_PROTO`` dispatch); :func:`unpad_rows`
+    takes the padding off again, on the blocking and the future path alike.
+
+    Returns:
+        ``(padded, pad_size)``; ``value`` itself when no padding is needed.
+    Raises:
+        TypeError: ``value`` is neither a DataProto nor a TensorDict.
+    """
+    if isinstance(value, DataProto):
+        return pad_dataproto_to_divisor(value, size_divisor)
+    if not isinstance(value, TensorDictBase):
+        raise TypeError(f"pad_rows takes a DataProto or a TensorDict, got {type(value).__name__}")
+    n = int(value.batch_size[0]) if value.batch_dims else 0
+    pad_size = -n % size_divisor if n else 0
+    if pad_size == 0:
+        return value, 0
+    index = torch.arange(pad_size) % n
+    return torch.cat([value, value[index]], dim=0), pad_size
+
+
+def unpad_rows(value: Any, pad_size: int) -> Any:
+    """``value`` without its last ``pad_size`` rows (what :func:`pad_rows` added).
+
+    A DataProto goes through :func:`unpad_dataproto`, a TensorDict is sliced, and an object
+    with an ``unpad`` method (a ``DataProtoFuture``) drops them when it is materialised.
+    """
+    if not pad_size:
+        return value
+    if isinstance(value, DataProto):
+        return unpad_dataproto(value, pad_size)
+    if isinstance(value, TensorDictBase):
+        return value[: int(value.batch_size[0]) - pad_size]
+    return value.unpad(pad_size)
 
 
 def _type_info(value: Any) -> str:

@@ -29,7 +29,6 @@ import io
 import logging
 import pickle
 import sys
-import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +42,7 @@ from distributed.protocol import to_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 from tensordict import TensorDict, TensorDictBase
 
+from . import codec
 from .protocol import DataProto
 
 __all__ = [
@@ -51,8 +51,8 @@ __all__ = [
     "loads",
     "snapshot",
     "pack",
+    "message_part",
     "unpack",
-    "inline",
     "serialize_tensor",
     "deserialize_tensor",
     "install",
@@ -65,7 +65,7 @@ _packing = contextvars.ContextVar("daskwg_packing", default=False)
 
 
 class _QuietWhilePacking(logging.Filter):
-    """Drops Dask's "Failed to serialize" records while :func:`pack` runs.
+    """Drops Dask's "Failed to serialize" records while this module pickles.
 
     daskwg raises its own error for an object that cannot be pickled, naming the call
     and the argument; Dask's log of the same failure (with the object's repr and a
@@ -79,74 +79,7 @@ class _QuietWhilePacking(logging.Filter):
 logging.getLogger(dask_pickle.__name__).addFilter(_QuietWhilePacking())
 
 
-_SPARSE_COMPRESSED = {
-    torch.sparse_csr: ("crow_indices", "col_indices"),
-    torch.sparse_csc: ("ccol_indices", "row_indices"),
-    torch.sparse_bsr: ("crow_indices", "col_indices"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices"),
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # --------------------------------------------------------------------- rebuilding
-
-
-def _writable(buf: Any) -> np.ndarray:
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    # torch tensors are writable; a read-only buffer (bytes) must be copied once.
-    return arr if arr.flags.writeable else arr.copy()
-
-
-#: Tensors rebuilt here on received bytes, by id: their memory (a receive buffer) is
-#: theirs alone although torch sees it as borrowed from numpy.
-_RECEIVED: dict[int, weakref.ref] = {}
-
-
-def _received(t: torch.Tensor) -> bool:
-    ref = _RECEIVED.get(id(t))
-    return ref is not None and ref() is t
-
-
-def _rebuild_tensor(dtype: str, shape: tuple, device: str, requires_grad: bool, buf: Any) -> torch.Tensor:
-    torch_dtype = getattr(torch, dtype)
-    if not shape or all(shape):
-        flat = torch.frombuffer(_writable(buf), dtype=torch_dtype)
-        # set_ rather than reshape: a view would keep ``flat`` as its ``_base``, and
-        # snapshot() takes tensors with a base as shared.
-        t = torch.empty(0, dtype=torch_dtype).set_(flat.untyped_storage(), 0, shape)
-        del flat
-        key = id(t)
-        _RECEIVED[key] = weakref.ref(t, lambda _, key=key: _RECEIVED.pop(key, None))
-    else:
-        t = torch.empty(shape, dtype=torch_dtype)
-    if device != "cpu":
-        kind = device.split(":")[0]
-        backend = getattr(torch, kind, None)
-        if backend is not None and getattr(backend, "is_available", lambda: False)():
-            t = t.to(device)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, shape: tuple, coalesced: bool, rg: bool):
-    t = torch.sparse_coo_tensor(indices, values, shape, is_coalesced=coalesced)
-    return t.requires_grad_(True) if rg else t
-
-
-def _rebuild_sparse_compressed(layout: str, compressed, plain, values, shape: tuple, rg: bool):
-    t = torch.sparse_compressed_tensor(compressed, plain, values, shape, layout=getattr(torch, layout))
-    return t.requires_grad_(True) if rg else t
-
-
-def _rebuild_tensordict(batch_size: tuple, device: str | None, names: Any, entries: dict) -> TensorDict:
-    td = TensorDict(entries, batch_size=batch_size, device=device if _device_usable(device) else None)
-    if names is not None:
-        td.names = names
-    return td
 
 
 def _rebuild_dataproto(cls: type, batch: Any, non_tensor_batch: dict, meta_info: dict) -> DataProto:
@@ -155,46 +88,7 @@ def _rebuild_dataproto(cls: type, batch: Any, non_tensor_batch: dict, meta_info:
     return data
 
 
-def _device_usable(device: str | None) -> bool:
-    if device is None or device == "cpu":
-        return True
-    kind = device.split(":")[0]
-    backend = getattr(torch, kind, None)
-    return backend is not None and getattr(backend, "is_available", lambda: False)()
-
-
 # --------------------------------------------------------------------- reducing
-
-
-def _reduce_tensor(t: torch.Tensor, copy: bool) -> Any:
-    layout = t.layout
-    rg = bool(t.requires_grad)
-    if layout == torch.sparse_coo:
-        return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape), t.is_coalesced(), rg)
-    if layout in _SPARSE_COMPRESSED:
-        first, second = _SPARSE_COMPRESSED[layout]
-        parts = (getattr(t, first)(), getattr(t, second)(), t.values())
-        return _rebuild_sparse_compressed, (str(layout).removeprefix("torch."), *parts, tuple(t.shape), rg)
-    if layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
-        return NotImplemented  # torch's own pickling
-    device = str(t.device)
-    data = t.detach()
-    fresh = False
-    if data.device.type != "cpu":
-        data, fresh = data.cpu(), True
-    data = data.resolve_conj().resolve_neg()
-    if not data.is_contiguous():
-        data, fresh = data.contiguous(), True
-    if copy and not fresh:
-        data = data.clone()
-    flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
-    return _rebuild_tensor, (
-        _dtype_name(t.dtype),
-        tuple(t.shape),
-        device,
-        rg,
-        pickle.PickleBuffer(flat.numpy()),
-    )
 
 
 def _reduce(obj: Any, private: set[int] | None) -> Any:
@@ -202,14 +96,14 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
     copy (``None``: copy nothing)."""
     kind = type(obj)
     if kind is torch.Tensor:
-        return _reduce_tensor(obj, private is not None and id(obj) not in private)
+        return codec.reduce_tensor(obj, private is not None and id(obj) not in private)
     if kind is TensorDict:
         if obj.is_locked:
             return NotImplemented
         entries = dict(obj.items())
         device = None if obj.device is None else str(obj.device)
         names = obj.names if obj._has_names() else None
-        return _rebuild_tensordict, (tuple(obj.batch_size), device, names, entries)
+        return codec.rebuild_tensordict, (tuple(obj.batch_size), device, names, entries)
     if isinstance(obj, DataProto):
         return _rebuild_dataproto, (kind, obj.batch, obj.non_tensor_batch, obj.meta_info)
     if kind is np.ndarray and private is not None and obj.dtype != object and id(obj) not in private:
@@ -260,19 +154,23 @@ class Packed:
 
 
 def _dump(obj: Any, private: set[int] | None, out_of_band: bool = True) -> Packed:
-    for pickler in (_Pickler, _CloudPickler):
-        buffers: list = []
-        f = io.BytesIO()
-        try:
-            pickler(f, buffers if out_of_band else None, private).dump(obj)
-        except Exception:  # noqa: BLE001 - lambdas, local classes: cloudpickle below
-            if pickler is _CloudPickler:
-                raise
-            continue
-        header = f.getvalue()
-        if pickler is _Pickler and b"__main__" in header:
-            continue  # by-reference pickles of __main__ objects do not load elsewhere
-        return Packed(header, [b.raw() for b in buffers])
+    token = _packing.set(True)
+    try:
+        for pickler in (_Pickler, _CloudPickler):
+            buffers: list = []
+            f = io.BytesIO()
+            try:
+                pickler(f, buffers if out_of_band else None, private).dump(obj)
+            except Exception:  # noqa: BLE001 - lambdas, local classes: cloudpickle below
+                if pickler is _CloudPickler:
+                    raise
+                continue
+            header = f.getvalue()
+            if pickler is _Pickler and b"__main__" in header:
+                continue  # by-reference pickles of __main__ objects do not load elsewhere
+            return Packed(header, [b.raw() for b in buffers])
+    finally:
+        _packing.reset(token)
     raise AssertionError("unreachable")
 
 
@@ -296,12 +194,6 @@ def loads(packed: Packed, *, copy: bool = False) -> Any:
     receiver that may change it in place must not change the stored value)."""
     buffers = [bytearray(b) for b in packed.buffers] if copy else packed.buffers
     return pickle.loads(packed.header, buffers=buffers)
-
-
-def inline(obj: Any) -> bytes:
-    """``obj`` as one self-contained pickle (buffers in band), loadable with
-    ``pickle.loads`` by a process that has torch; for small values only."""
-    return _dump(obj, None, out_of_band=False).header
 
 
 # --------------------------------------------------------------------- snapshots
@@ -346,7 +238,7 @@ def _storage_private(t: torch.Tensor) -> bool:
     storage = t.untyped_storage()
     # A storage on memory torch does not own (torch.from_numpy, DLPack) is not resizable;
     # one rebuilt here on received bytes is nobody else's.
-    return (storage.resizable() or _received(t)) and torch._C._storage_Use_Count(
+    return (storage.resizable() or codec.received(t)) and torch._C._storage_Use_Count(
         storage._cdata
     ) <= _STORAGE_USES
 
@@ -440,25 +332,27 @@ def _root_owned(obj: Any) -> None:
 
 
 def pack(obj: Any) -> dict:
-    """Encode one part of a comm message (call arguments or a result; a
-    :class:`Packed` as it is).
+    """:func:`message_part` of :func:`dumps` of ``obj``: one part of a comm message (call
+    arguments or a result; a :class:`Packed` as it is).
 
-    Values without buffers (no tensors or arrays) that pickle to at most 1 MiB travel
+    Raises:
+        whatever pickling raises for an object that cannot be pickled (Dask's error log
+        of that failure is suppressed: the caller reports it).
+    """
+    return message_part(dumps(obj))
+
+
+def message_part(packed: Packed) -> dict:
+    """``packed`` as one part of a comm message, without pickling it again.
+
+    Values without buffers (no tensors or arrays) that pickled to at most 1 MiB travel
     inline as bytes: Dask's generic serialisation costs about half a millisecond per
     object on each side, most of a small call's time. Anything else goes through
     ``to_serialize``, whose frames cross without copies.
 
     Returns:
         ``{"pickled": bytes}`` or ``{"serialized": Serialize}``; :func:`unpack` reverses it.
-    Raises:
-        whatever pickling raises for an object that cannot be pickled (Dask's error log
-        of that failure is suppressed: the caller reports it).
     """
-    token = _packing.set(True)
-    try:
-        packed = dumps(obj)
-    finally:
-        _packing.reset(token)
     if packed.buffers or len(packed.header) > _INLINE_MAX:
         return {"serialized": to_serialize(packed)}
     return {"pickled": packed.header}
@@ -498,8 +392,8 @@ def deserialize_tensor(header: dict, frames: list) -> torch.Tensor:
 def _sizeof_tensor(t: torch.Tensor) -> int:
     if t.layout == torch.sparse_coo:
         return _sizeof_tensor(t._indices()) + _sizeof_tensor(t._values())
-    if t.layout in _SPARSE_COMPRESSED:
-        first, second = _SPARSE_COMPRESSED[t.layout]
+    if t.layout in codec.SPARSE_COMPRESSED:
+        first, second = codec.SPARSE_COMPRESSED[t.layout]
         return sum(_sizeof_tensor(getattr(t, m)()) for m in (first, second, "values"))
     try:
         return t.numel() * t.element_size()

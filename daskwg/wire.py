@@ -1,22 +1,77 @@
 """The wire: the records and names the driver side and the worker side share.
 
-The driver side (``daskwg.transport``) sends what is defined here; the worker side
-(``daskwg.plugin``) receives it. Neither imports the other: both stand on this module.
+The driver side (``daskwg.transport``) sends what is defined here and the worker side
+(``daskwg.plugin``) receives it; neither imports the other, both stand on this module.
+Everything a Dask task carries is plain Python data (tuples, strings, bytes): the
+scheduler unpickles every task it is given and must not need torch or daskwg for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
-__all__ = ["PLUGIN_NAME", "RANK_ENV_KEYS", "Call", "LazyArg", "PartInfo"]
+__all__ = [
+    "PLUGIN_NAME",
+    "RANK_ENV_KEYS",
+    "HANDLERS",
+    "RUN_CALL",
+    "PART_INFO",
+    "INLINE",
+    "SCATTERED",
+    "ROWS",
+    "PARTS",
+    "Call",
+    "LazyArg",
+    "PartInfo",
+    "task_key",
+    "status_record",
+]
 
+#: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
-
 
 #: Environment variables daskwg owns on every rank; ``worker_env`` may not set them.
 RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+#: The comm handlers the host plugin installs on every worker, and what each answers:
+#: ``daskwg_call`` runs a call (the direct path); ``daskwg_skip`` gives up calls' places
+#: in the order; ``daskwg_cancel`` cancels calls; ``daskwg_reserve_port`` reserves a
+#: ``MASTER_PORT``; ``daskwg_release`` destroys a departed driver's ranks;
+#: ``daskwg_memory`` the worker's memory figures; ``daskwg_progress`` the last finished
+#: call of a driver; ``daskwg_status`` the status records; ``daskwg_metrics`` the call
+#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part.
+HANDLERS = (
+    "daskwg_call",
+    "daskwg_skip",
+    "daskwg_cancel",
+    "daskwg_reserve_port",
+    "daskwg_release",
+    "daskwg_memory",
+    "daskwg_progress",
+    "daskwg_status",
+    "daskwg_metrics",
+    "daskwg_rows",
+)
+
+#: ``"module:function"`` the task of a task-path call runs on the worker (``_daskwg_task.run``
+#: imports it there by name, so the driver side never imports the worker side).
+RUN_CALL = "daskwg.plugin.task:run_call"
+#: ``"module:function"`` of the task that reports a ``DataProtoFuture`` part's :class:`PartInfo`.
+PART_INFO = "daskwg.plugin.rows:part_info"
+
+#: How a task-path call's arguments travel: ``(INLINE, header, buffers)`` (one pickle, its
+#: buffers as bytes) inside the task, or ``(SCATTERED, value)`` sent beforehand straight to
+#: the rank's worker and resolved there by Dask.
+INLINE = "inline"
+SCATTERED = "scattered"
+
+#: :class:`LazyArg` kinds: ``ROWS``, the rank fetches its rows of the parts itself (``spec``
+#: is the future's plan, the resolved values are the parts' :class:`PartInfo`); ``PARTS``,
+#: Dask resolved the parts themselves (``spec(values)`` builds the argument).
+ROWS = "rows"
+PARTS = "parts"
 
 
 @dataclass(frozen=True)
@@ -46,18 +101,29 @@ class Call:
     owner: str
     worker_id: str | None = None
 
+    def to_wire(self) -> tuple:
+        """The fields as a plain tuple (what messages and tasks carry); ``Call(*t)`` rebuilds it."""
+        return astuple(self)
+
 
 @dataclass(frozen=True)
 class LazyArg:
-    """Placeholder for an argument that is a ``DataProtoFuture``.
+    """Placeholder, inside a call's arguments, for an argument that is a ``DataProtoFuture``.
 
-    The futures themselves travel in a separate list so that Dask resolves them (moving
-    the data worker to worker); ``transform(values)`` rebuilds the argument on the rank.
+    What it stands for travels in a separate list that Dask resolves on the worker (the
+    call's ``lazy_values``), moving data worker to worker; the rank builds the argument
+    from ``lazy_values[index]`` as ``kind`` says (:data:`ROWS` or :data:`PARTS`).
+
+    Attributes:
+        index: position in ``lazy_values``.
+        kind: :data:`ROWS` or :data:`PARTS`.
+        spec: the plan (``ROWS``) or the ``values -> argument`` function (``PARTS``).
+        source: the producing call, e.g. ``"gen.generate (ranks 0, 1)"``: blamed if building fails.
     """
 
     index: int
-    transform: Callable[[list], Any]
-    #: the producing call, e.g. ``"gen.generate (ranks 0-3)"``: blamed if building fails.
+    kind: str
+    spec: Callable[[list], Any] | tuple
     source: str = ""
 
 
@@ -76,3 +142,44 @@ class PartInfo:
     key: str
     rows: int
     meta_info: dict | None
+
+
+def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:
+    """The Dask key of a task-path call: ``"<group>.<method>-<call>-r<rank>-<id8>"``, as the
+    dashboard shows it (the group's name, its method, the driver's call number, the rank
+    and the first 8 hex digits of the group id, which keeps keys of equally named groups apart)."""
+    return f"{group_name}.{method}-{call_number}-r{rank}-{group_id[:8]}"
+
+
+def status_record(
+    group_name: str,
+    group_id: str,
+    rank: int,
+    state: str,
+    call: Call | None = None,
+    seconds: float | None = None,
+    stack: str | None = None,
+    last_error: str | None = None,
+    cancelled: bool = False,
+) -> dict:
+    """One record of a worker's ``daskwg_status`` answer (what ``daskwg.forensics`` reads).
+
+    Returns:
+        ``{"group", "group_id", "rank", "state", "method", "seconds", "stack",
+        "last_error", "session", "seq", "cancelled"}``: ``state`` is ``"idle"``,
+        ``"running"`` or ``"queued"``; ``method``, ``session`` and ``seq`` are the running or
+        queued call's (``None`` when idle); ``seconds`` since it started or was queued.
+    """
+    return {
+        "group": group_name,
+        "group_id": group_id,
+        "rank": rank,
+        "state": state,
+        "method": None if call is None else call.method,
+        "seconds": seconds,
+        "stack": stack,
+        "last_error": last_error,
+        "session": None if call is None else call.session,
+        "seq": None if call is None else call.seq,
+        "cancelled": cancelled,
+    }

@@ -549,7 +549,7 @@ def test_600_queued_non_blocking_calls_do_not_cost_a_thread_each(hclient, tmp_pa
 def _hosted_group_ids(client: Client) -> set:
     def info(dask_worker):
         host = dask_worker.plugins.get("daskwg")
-        return [g[1] for g in host._handle_info()["groups"]] if host else []
+        return [g[1] for g in host.hosted_ranks()] if host else []
 
     return {gid for ids in client.run(info).values() for gid in ids}
 

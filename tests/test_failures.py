@@ -49,9 +49,7 @@ def _kill_later(pid: int, delay: float, record: dict) -> threading.Thread:
 
 def _hosted_groups(client: Client) -> dict[str, list]:
     def info(dask_worker):
-        return (
-            dask_worker.plugins["daskwg"]._handle_info()["groups"] if "daskwg" in dask_worker.plugins else []
-        )
+        return dask_worker.plugins["daskwg"].hosted_ranks() if "daskwg" in dask_worker.plugins else []
 
     return client.run(info)
 

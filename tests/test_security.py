@@ -30,7 +30,7 @@ TESTS_DIR = os.path.dirname(__file__)
 def _hosted_group_names(client: Client) -> dict[str, set[str]]:
     def names(dask_worker):
         host = dask_worker.plugins.get("daskwg")
-        return {name for name, _, _ in host._handle_info()["groups"]} if host is not None else set()
+        return {name for name, _, _ in host.hosted_ranks()} if host is not None else set()
 
     return client.run(names)
 

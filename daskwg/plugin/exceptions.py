@@ -1,21 +1,23 @@
-"""Shaping the exceptions rank code raises so that they reach the driver, with a hint
-where the error comes from where rank code runs rather than from the code itself."""
+"""Shaping what rank code raises so that it reaches the driver: a picklable exception of
+the same type where one can be built, and a hint that says what to do where the error
+comes from where rank code runs (a daemonic worker, a thread that is not the main one)
+rather than from the code itself."""
 
 from __future__ import annotations
 
 import pickle
+import traceback
 
-from ..errors import RankError
+from ..errors import RankError, safe_str
+from ..wire import Call
+
+__all__ = ["shippable", "picklable", "rank_error"]
+
+_DAEMONIC = "daemonic processes are not allowed to have children"
+_SIGNAL_THREAD = "signal only works in main thread"
 
 
-def _safe_str(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception as inner:  # noqa: BLE001 - a user __str__ that raises
-        return f"<str() raised {type(inner).__name__}>"
-
-
-def _shippable(exc: RankError) -> RankError:
+def shippable(exc: RankError) -> RankError:
     """``exc`` without the chained exceptions Python attached to it.
 
     Once Dask formatted a task's error in this process, tblib pickles every instance
@@ -29,32 +31,40 @@ def _shippable(exc: RankError) -> RankError:
     return exc
 
 
-def _picklable_exception(exc: BaseException) -> BaseException | None:
+def picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a ``RuntimeError`` with its type and message
+    (a :class:`RankError` carries its exception as bytes and always does)."""
     if isinstance(exc, RankError):
-        return _shippable(exc)  # it carries its exception as bytes plus type name and message
+        return shippable(exc)
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {_safe_str(exc)}")
+        return RuntimeError(f"{type(exc).__name__}: {safe_str(exc)}")
     return exc
 
 
-def _with_message(exc: BaseException, message: str) -> BaseException:
-    """An exception of the same type as ``exc`` (where it can be built from a message)."""
+def with_message(exc: BaseException, message: str) -> BaseException:
+    """An exception of the same type as ``exc`` with ``message`` (where the type can be
+    built from a message), else a ``RuntimeError``."""
     try:
-        return _picklable_exception(type(exc)(message)) or RuntimeError(message)
+        return picklable(type(exc)(message))
     except Exception:  # noqa: BLE001
         return RuntimeError(message)
 
 
-_DAEMONIC = "daemonic processes are not allowed to have children"
-_SIGNAL_THREAD = "signal only works in main thread"
+def rank_error(call: Call, address: str, exc: BaseException) -> RankError:
+    """The :class:`RankError` of ``call`` failing with ``exc`` (being handled now: its
+    traceback is formatted here), with :func:`runtime_hint`'s advice where one applies."""
+    hint = runtime_hint(exc)
+    return RankError(
+        call.rank, address, call.method, traceback.format_exc(), with_message(exc, hint) if hint else exc
+    )
 
 
-def _runtime_hint(exc: BaseException) -> str | None:
+def runtime_hint(exc: BaseException) -> str | None:
     """A message saying what to do, for errors that come from where rank code runs
-    rather than from the code itself."""
-    text = " ".join(_safe_str(e) for e in _exception_chain(exc))
+    rather than from the code itself (``None`` for any other error)."""
+    text = " ".join(safe_str(e) for e in _exception_chain(exc))
     if _DAEMONIC in text:
         return (
             f"{_DAEMONIC}: this Dask worker process was started as a daemon (Dask's default for workers "
@@ -65,7 +75,7 @@ def _runtime_hint(exc: BaseException) -> str | None:
         )
     if _SIGNAL_THREAD in text:
         return (
-            f"{_safe_str(exc)}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
+            f"{safe_str(exc)}: rank code runs on the worker's daskwg-host thread (async methods on the rank's event "
             "loop thread), not on the process's main thread, so it cannot install signal handlers. For "
             "constructors that only register SIGTERM/SIGINT handlers, build the group with "
             'dask.config.set({"daskwg.skip-signal-handlers": True}); for timeouts use the API\'s own '
@@ -80,7 +90,3 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     return chain
-
-
-def _picklable_error(exc: BaseException) -> BaseException:
-    return _picklable_exception(exc) or RuntimeError(repr(exc))

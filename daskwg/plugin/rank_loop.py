@@ -10,10 +10,12 @@ import threading
 import traceback
 from typing import Any
 
+__all__ = ["RankLoop", "task_stack", "rank_thread", "install_signal_shim"]
+
 logger = logging.getLogger(__name__)
 
 
-class _RankLoop:
+class RankLoop:
     """The event loop a rank's ``async def`` methods run on, in a thread of its own.
 
     It runs between calls too, so tasks and servers a method starts keep serving after
@@ -32,7 +34,7 @@ class _RankLoop:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        _rank_thread.skip_signal_handlers = self._skip_signal_handlers
+        rank_thread.skip_signal_handlers = self._skip_signal_handlers
         try:
             self.loop.run_forever()
         finally:
@@ -73,7 +75,7 @@ class _RankLoop:
                 logger.warning("the event loop thread %s did not stop; leaving it", self._thread.name)
 
 
-def _task_stack(task: asyncio.Task) -> str | None:
+def task_stack(task: asyncio.Task) -> str | None:
     """Where an async call's coroutine is, down the chain of awaited coroutines, as
     ``traceback.format_stack`` would say it (``Task.get_stack`` gives only the top)."""
     frames = []
@@ -92,7 +94,7 @@ _LOOP_CLOSE_TIMEOUT = 5.0
 
 
 #: Per-thread context of rank code: whether its group asked to skip signal handlers.
-_rank_thread = threading.local()
+rank_thread = threading.local()
 
 
 _original_signal = signal.signal
@@ -104,7 +106,7 @@ def _signal_from_rank(signalnum: Any, handler: Any) -> Any:
     would refuse them) and the current handler is returned, as Ray's SGLang example
     does for engines that register them in their constructor."""
     if (
-        getattr(_rank_thread, "skip_signal_handlers", False)
+        getattr(rank_thread, "skip_signal_handlers", False)
         and signalnum in (signal.SIGTERM, signal.SIGINT)
         and threading.current_thread() is not threading.main_thread()
     ):
@@ -117,6 +119,7 @@ def _signal_from_rank(signalnum: Any, handler: Any) -> Any:
     return _original_signal(signalnum, handler)
 
 
-def _install_signal_shim() -> None:
+def install_signal_shim() -> None:
+    """Route ``signal.signal`` through the rank-code shim in this process (idempotent)."""
     if signal.signal is not _signal_from_rank:
         signal.signal = _signal_from_rank

@@ -14,9 +14,6 @@ read in place and copied once, so the rank may change its rows freely.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from distributed import get_worker
@@ -25,25 +22,11 @@ from distributed.utils import sync
 
 from .. import serialization
 from ..errors import GroupBrokenError
-from ..futures import _rows_of, _select_columns, evaluate
+from ..futures import evaluate, rows_of, select_columns
 from ..protocol import DataProto
 from ..wire import PartInfo
 
-__all__ = ["part_info", "evaluate_on_worker", "fetching_on", "install"]
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def fetching_on(worker: Any) -> Iterator[None]:
-    """Within it, :func:`evaluate_on_worker` in this thread fetches through ``worker``
-    (the host thread is not one of Dask's task threads, so ``get_worker()`` fails there)."""
-    previous = getattr(_local, "worker", None)
-    _local.worker = worker
-    try:
-        yield
-    finally:
-        _local.worker = previous
+__all__ = ["part_info", "evaluate_on_worker", "install"]
 
 
 def _value(stored: Any) -> Any:
@@ -51,10 +34,16 @@ def _value(stored: Any) -> Any:
 
 
 def part_info(value: Any, key: str) -> PartInfo:
-    """Task body, run on the worker holding part ``key`` (its value is ``value``)."""
+    """Where part ``key`` is, its rows and ``meta_info``: the body of the task
+    (:data:`daskwg.wire.PART_INFO`) that runs on the worker holding it.
+
+    Args:
+        value: the part (a ``DataProto`` or ``TensorDict``, or its snapshot).
+        key: the part's Dask key.
+    """
     value = _value(value)
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
-    return PartInfo(get_worker().address, key, _rows_of(value), meta)
+    return PartInfo(get_worker().address, key, rows_of(value), meta)
 
 
 def _slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
@@ -65,7 +54,7 @@ def _slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
             f"the part {key!r} of a DataProtoFuture is no longer held by {worker.address}: it was released "
             "(keep the DataProtoFuture until the call that consumes it has run) or the worker restarted"
         ) from None
-    piece = _select_columns(_value(stored)[start:stop], columns)
+    piece = select_columns(_value(stored)[start:stop], columns)
     if isinstance(piece, DataProto):
         piece.meta_info = {}  # the consumer merges every part's meta_info from the PartInfos
     return piece
@@ -80,7 +69,9 @@ def _columns_of(msg: Any) -> Any:
 
 
 def install(worker: Any) -> None:
-    """Install the ``daskwg_rows`` comm handler on ``worker`` (from the host plugin's setup)."""
+    """Install the ``daskwg_rows`` comm handler on ``worker`` (from the host plugin's setup):
+    ``(key, start, stop, columns)`` -> rows ``[start, stop)`` of the part stored under
+    ``key``, sliced without copying, sent as the slice's own bytes."""
 
     def handle_rows(key: str, start: int, stop: int, columns: Any = None) -> dict:
         piece = _slice(worker, key, start, stop, _columns_of(columns))
@@ -89,8 +80,13 @@ def install(worker: Any) -> None:
     worker.handlers["daskwg_rows"] = handle_rows
 
 
-def evaluate_on_worker(plan: tuple, infos: list[PartInfo]) -> Any:
+def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
     """The value of a ``DataProtoFuture``'s plan for this rank, fetching only its rows.
+
+    Args:
+        plan: the future's plan (``DataProtoFuture.plan()[0]``).
+        infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
+        worker: the consuming Dask worker.
 
     Runs on the host thread of the consuming worker; fetches go through that
     worker's event loop and connection pool (its TLS settings included).
@@ -100,9 +96,6 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo]) -> Any:
         OSError, CommClosedError: the worker holding a part cannot be reached.
         KeyError, ValueError: as the eager ``DataProto`` operations of the plan.
     """
-    worker = getattr(_local, "worker", None)
-    if worker is None:
-        raise RuntimeError("evaluate_on_worker runs inside fetching_on(worker)")
 
     def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
         info = infos[part]

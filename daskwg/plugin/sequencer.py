@@ -12,6 +12,8 @@ from typing import Any
 
 from ..errors import GroupBrokenError
 
+__all__ = ["Sequencer"]
+
 
 @dataclass
 class _Session:
@@ -21,8 +23,16 @@ class _Session:
     skipped: set = field(default_factory=set)
 
 
-class _Sequencer:
-    """Releases work items to a single thread strictly in sequence-number order."""
+class Sequencer:
+    """Releases work items to a single thread strictly in sequence-number order.
+
+    Each driver (``session``) numbers its calls to this worker 0, 1, 2, ...; a call runs
+    once every lower number of its driver has run or was skipped, whichever path it came
+    by, so the direct path and the task path cannot overtake each other.
+
+    Args:
+        executor: the one-thread executor the calls run on (the host thread).
+    """
 
     def __init__(self, executor: ThreadPoolExecutor):
         self._executor = executor
@@ -37,6 +47,9 @@ class _Sequencer:
         self.progress[session] = seq
 
     def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
+        """Run ``fn`` on the thread once call ``seq`` of driver ``session`` has its turn;
+        returns the future of its result (failed at once for a departed driver or a
+        number that came twice)."""
         result: ConcurrentFuture = ConcurrentFuture()
         with self._lock:
             if session in self._released:

@@ -1,4 +1,5 @@
-"""The task function of the Dask-task path on the worker: :func:`run_call`."""
+"""The entry point of calls that come as Dask tasks: :func:`run_call`, which the task
+function ``_daskwg_task.run`` imports by name (:data:`daskwg.wire.RUN_CALL`)."""
 
 from __future__ import annotations
 
@@ -10,33 +11,43 @@ from typing import Any
 from distributed import get_worker
 from distributed.worker_state_machine import SecedeEvent
 
+from .. import wire
 from ..errors import GroupBrokenError, RankError
-from ..wire import PLUGIN_NAME, Call
-from .exceptions import _shippable
+from ..wire import Call
+from .exceptions import shippable
 
 __all__ = ["run_call"]
 
 
-async def run_call(call: Call, payload: Any, lazy_values: list | None = None, task_key: Any = None) -> Any:
-    """The task function of the Dask-task path: run ``call`` on this worker's host.
+async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None, task_key: Any = None) -> Any:
+    """Run one task-path call on this worker's host; Dask keeps what it returns.
 
-    ``payload`` is ``("inline", pickle bytes)`` or ``("scattered", value)`` (sent
-    straight to this worker beforehand, see ``daskwg.transport``). ``lazy_values``
-    are what Dask resolved for ``DataProtoFuture`` arguments before the task started
-    (their parts, or their :class:`daskwg.parts.PartInfo`). An ``async def`` task runs
-    on the worker's event loop, so a call waiting for its turn holds no thread; it
-    leaves Dask's count of executing tasks at once (as ``distributed.secede`` does for
-    threads), so later calls, which Dask may start first, can take their places in the
-    order.
+    Args:
+        call: the :class:`~daskwg.wire.Call`'s fields (``Call.to_wire()``).
+        payload: ``(INLINE, header, buffers)`` (the arguments pickled once) or
+            ``(SCATTERED, value)`` (sent straight to this worker beforehand).
+        lazy_values: what Dask resolved for ``DataProtoFuture`` arguments before the task
+            started (their parts, or their :class:`~daskwg.wire.PartInfo`).
+        task_key: this task's key.
+    Returns:
+        the call's result, snapshotted at return (a ``serialization.Packed``).
+    Raises:
+        RankError: the call failed on the rank.
+        GroupBrokenError: this worker has no host plugin (it restarted).
+
+    An ``async def`` task runs on the worker's event loop, so a call waiting for its turn
+    holds no thread; it leaves Dask's count of executing tasks at once (as
+    ``distributed.secede`` does for threads), so later calls, which Dask may start first,
+    can take their places in the order.
     """
+    call = Call(*call)
     worker = get_worker()
-    host = worker.plugins.get(PLUGIN_NAME)
+    host = worker.plugins.get(wire.PLUGIN_NAME)
     if host is None:
         raise GroupBrokenError("the daskwg plugin is not installed on this worker (it restarted?)")
     if task_key is not None:
         _leave_executing(worker, task_key)
-    payload = _unwrap_payload(payload)
-    result = host.enqueue(call, payload, lazy_values)
+    result = host.enqueue(call, _unwrap_payload(payload), lazy_values)
     try:
         return await asyncio.wrap_future(result)
     except asyncio.CancelledError:
@@ -44,11 +55,11 @@ async def run_call(call: Call, payload: Any, lazy_values: list | None = None, ta
             return None  # skipped by cancel_call: Dask already dropped the task
         raise  # the worker is closing
     except RankError as exc:
-        if (call.session, call.seq) in host._cancelled_calls:
+        if host.calls.was_cancelled(call):
             return None  # its future was cancelled: Dask drops whatever the task gives
-        raise _shippable(exc) from None
+        raise shippable(exc) from None
     finally:
-        host._cancelled_calls.discard((call.session, call.seq))
+        host.calls.forget_cancelled(call)
 
 
 def _leave_executing(worker: Any, key: Any) -> None:
@@ -61,5 +72,7 @@ def _leave_executing(worker: Any, key: Any) -> None:
 
 
 def _unwrap_payload(payload: tuple) -> Any:
-    kind, value = payload
-    return pickle.loads(value) if kind == "inline" else value
+    if payload[0] == wire.INLINE:
+        _, header, buffers = payload
+        return pickle.loads(header, buffers=buffers)
+    return payload[1]

@@ -1,4 +1,10 @@
-"""The per-client state of the driver side: :class:`Driver`."""
+"""The per-client state of the driver side: :class:`Driver`, and :class:`GroupRanks`, the
+identity of one group's ranks that every driver-side object of that group shares.
+
+Threads: the driver's own threads (calls) and the client's event loop (the scheduler's
+events, polling) both touch a :class:`Driver`; sequence numbers are taken under its lock,
+the rest are single assignments and dict updates that need none.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +17,97 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-import dask.config
 from dask.utils import format_bytes
 from distributed import Client, Future
 
-from .. import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
-from ..dashboard import DashboardPlugin
+from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
-from ..plugin import HostPlugin
-from ..scheduler import ReleaseOnClientExit
-from ..wire import PLUGIN_NAME
+from ..wire import Call
 from .channel import Channel
 
-if TYPE_CHECKING:
-    from .group_transport import GroupTransport
-
-__all__ = ["Driver"]
+__all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StuckCall:
+    """A rank's call still running after its group broke: nothing is queued behind it.
+
+    Attributes:
+        group_name: the broken group.
+        method: the call's method.
+        watch: has ``done()``: whether the call has ended on the rank.
+    """
+
+    group_name: str
+    method: str
+    watch: Any
+
+
+@dataclass(frozen=True)
+class AbandonedCall:
+    """A call the driver stopped waiting for (a deadline, Ctrl-C) that may still run.
+
+    Attributes:
+        group_name, method: the call.
+        watch: has ``done()``: whether the call has ended on the rank.
+        since: ``time.monotonic()`` when it was abandoned.
+        why: ``"deadline"`` or ``"interrupted"``.
+    """
+
+    group_name: str
+    method: str
+    watch: Any
+    since: float
+    why: str
+
+
+@dataclass(frozen=True)
+class TaskCall:
+    """What the driver knows of one task-path future, for deadline reports and paused workers.
+
+    Attributes:
+        call: the call it stands for.
+        submitted: ``time.monotonic()`` when it was submitted.
+        paused_timeout: the call's ``daskwg.paused-timeout`` (seconds).
+    """
+
+    call: Call
+    submitted: float
+    paused_timeout: float
+
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """One group's ranks as the driver side sees them.
+
+    Attributes:
+        client: the group's synchronous ``distributed.Client``.
+        driver: that client's :class:`Driver`.
+        slots: one ``pool.WorkerSlot`` per rank, in rank order.
+        name: the group's name (task keys, messages).
+        group_id: the group's unique id (the hosts key rank objects by it).
+        owner: the client id that owns the group's ranks.
+    """
+
+    client: Client
+    driver: Driver
+    slots: tuple
+    name: str
+    group_id: str
+    owner: str
+
+    def address(self, rank: int) -> str:
+        """The Dask address of ``rank``'s worker."""
+        return self.slots[rank].address
+
+    def is_lost(self, rank: int) -> bool:
+        """Whether ``rank``'s worker process is known to be gone."""
+        return self.slots[rank].server_id in self.driver.lost
 
 
 class Driver:
@@ -54,35 +131,33 @@ class Driver:
         # the same name and, with a fixed port, the same address, and its fresh plugin
         # counts from 0 again.
         self.next_seq: dict[str, int] = defaultdict(int)
-        self.transports: weakref.WeakSet[GroupTransport] = weakref.WeakSet()
+        #: the transports of this driver's live groups (``worker_lost(address, reason)``, ``broken``).
+        self.transports: weakref.WeakSet = weakref.WeakSet()
         self.watched: set[str] = set()
         self.server_ids: dict[str, set[str]] = defaultdict(set)
         #: server id -> when that worker process started (``WorkerSlot.started``)
         self.started: dict[str, float] = {}
         self.lost: dict[str, str] = {}
         self.paused: dict[str, float] = {}
-        self.stuck: dict[str, tuple[str, str, Any]] = {}
-        # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run:
-        # server_id -> (group name, method, done-watch, since, why). Later calls to that
-        # worker queue behind them, and say so.
-        self.abandoned: dict[str, tuple[str, str, Any, float, str]] = {}
+        #: server id -> the call its rank is stuck in (a broken group's straggler).
+        self.stuck: dict[str, StuckCall] = {}
+        # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run, by
+        # server id. Later calls to that worker queue behind them, and say so.
+        self.abandoned: dict[str, AbandonedCall] = {}
         self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
-        # Per task-path future: (when it was submitted, rank, method), so that a call
-        # waiting on a paused worker is given up after daskwg.paused-timeout.
-        self.submitted: weakref.WeakKeyDictionary[Future, tuple[float, int, str]] = (
-            weakref.WeakKeyDictionary()
-        )
+        #: every task-path future of this driver -> its :class:`TaskCall`, while it lives.
+        self.calls: weakref.WeakKeyDictionary[Future, TaskCall] = weakref.WeakKeyDictionary()
         self.paused_out: dict[str, WorkerPausedError] = {}
         # Worker address -> the nanny's "worker-restart-memory" event (rss, pid).
         self.memory_kills: dict[str, dict] = {}
         self.lost_by_address: dict[str, list[str]] = defaultdict(list)
         self.memory_limits: dict[str, int | None] = {}
-        self.plugins_ready = False
+        self.memory_events = False
         self.call_numbers = itertools.count()
         self.local = threading.local()
         #: task key -> the worker address it is pinned to, while its future lives.
         self.placement: dict[str, str] = {}
-        #: part key -> future of its ``parts.PartInfo``, while the part's future lives.
+        #: part key -> future of its ``wire.PartInfo``, while the part's future lives.
         self.part_infos: dict[str, Future] = {}
 
     @classmethod
@@ -92,24 +167,6 @@ class Driver:
             if driver is None or driver.client is not client:
                 driver = cls._registry[client.id] = cls(client)
             return driver
-
-    def ensure_plugins(self) -> None:
-        if self.plugins_ready:
-            return
-        self.client.register_plugin(HostPlugin(), name=PLUGIN_NAME)
-        try:
-            self.client.register_plugin(ReleaseOnClientExit(), name="daskwg-release")
-            self.client.register_plugin(DashboardPlugin(), name=DashboardPlugin.name)
-        except Exception as exc:  # noqa: BLE001 - the scheduler may not have daskwg installed
-            logger.warning(
-                "could not install daskwg's scheduler plugin (%s): groups of a driver that "
-                "exits without shutdown() stay on the workers until they restart",
-                exc,
-            )
-        # Nannies announce the workers they restart for memory (above
-        # distributed.worker.memory.terminate); lost-worker errors then say so.
-        self.client.subscribe_topic("worker-restart-memory", self._on_memory_restart)
-        self.plugins_ready = True
 
     def channel(self) -> Channel | None:
         """The calling thread's :class:`Channel`, or ``None`` where the thread already
@@ -126,6 +183,8 @@ class Driver:
         return channel
 
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
+        """The next sequence number of this driver on each of these worker processes
+        (one lock, so calls from several threads keep one relative order everywhere)."""
         with self.lock:
             seqs = []
             for sid in server_ids:
@@ -133,7 +192,21 @@ class Driver:
                 self.next_seq[sid] += 1
             return seqs
 
+    def call_of(self, future: Any) -> Call | None:
+        """The :class:`~daskwg.wire.Call` a task-path future of this driver stands for, else ``None``."""
+        try:
+            entry = self.calls.get(future)
+        except TypeError:  # not weak-referenceable: not one of ours
+            return None
+        return None if entry is None else entry.call
+
     def watch(self, slots: Sequence[Any]) -> None:
+        """Follow the scheduler's events about these workers (removal, pause), once each."""
+        if not self.memory_events:
+            # Nannies announce the workers they restart for memory (above
+            # distributed.worker.memory.terminate); lost-worker errors then say so.
+            self.client.subscribe_topic("worker-restart-memory", self._on_memory_restart)
+            self.memory_events = True
         if any(slot.address not in self.watched for slot in slots):
             # Kept for the message about a worker its nanny restarts for memory, which
             # comes when the scheduler has forgotten that worker.
@@ -196,8 +269,7 @@ class Driver:
         ``daskwg.paused-timeout`` seconds (since they were sent or the pause began,
         whichever is later), each with a :class:`WorkerPausedError`: a pause caused by
         memory a rank holds may never end."""
-        timeout = float(dask.config.get("daskwg.paused-timeout"))
-        poll = float(dask.config.get("daskwg.poll-interval"))
+        poll = Settings.current().poll_interval
         while self.paused.get(address) == since:
             now = time.monotonic()
             try:
@@ -206,8 +278,9 @@ class Driver:
                     for sid in list(self.server_ids.get(address, ()))
                     for f in list(self.inflight.get(sid, ()))
                     if not f.done()
-                    and f in self.submitted
-                    and now - max(since, self.submitted[f][0]) >= timeout
+                    and f in self.calls
+                    and f.key not in self.paused_out
+                    and now - max(since, self.calls[f].submitted) >= self.calls[f].paused_timeout
                 ]
             except RuntimeError:  # a driver thread submitted meanwhile ("changed size"): next round
                 expired = []
@@ -216,11 +289,11 @@ class Driver:
                 if self.paused.get(address) != since:
                     return  # resumed meanwhile: the calls run
                 for f in expired:
-                    _, rank, method = self.submitted.pop(f)
+                    call = self.calls[f].call
                     self.paused_out[f.key] = WorkerPausedError(
-                        rank,
+                        call.rank,
                         address,
-                        method,
+                        call.method,
                         memory=figures.get("memory"),
                         memory_limit=figures.get("memory_limit"),
                         pause_fraction=figures.get("pause") or None,
@@ -277,8 +350,7 @@ class Driver:
             entry = self.abandoned.get(slot.server_id)
             if entry is None:
                 continue
-            group_name, method, watch, since, why = entry
-            if watch.done():
+            if entry.watch.done():
                 self.abandoned.pop(slot.server_id, None)
                 continue
             logger.warning(
@@ -286,10 +358,10 @@ class Driver:
                 "wg.status() shows where it is, wg.restart() replaces the process",
                 what,
                 slot.address,
-                method,
-                group_name,
-                time.monotonic() - since,
-                why,
+                entry.method,
+                entry.group_name,
+                time.monotonic() - entry.since,
+                entry.why,
             )
 
     def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
@@ -303,13 +375,12 @@ class Driver:
             entry = self.stuck.get(slot.server_id)
             if entry is None:
                 continue
-            group_name, method, future = entry
-            if future.done():
+            if entry.watch.done():
                 self.stuck.pop(slot.server_id, None)
                 continue
             raise GroupBrokenError(
-                f"cannot run {what} on {slot.address}: its host thread is still stuck in {method!r} of the "
-                f"broken group {group_name!r} (a rank failed while this one waited, e.g. in a collective), "
+                f"cannot run {what} on {slot.address}: its host thread is still stuck in {entry.method!r} of the "
+                f"broken group {entry.group_name!r} (a rank failed while this one waited, e.g. in a collective), "
                 "and calls run one at a time there. Restart the workers (client.restart()), or let the "
                 "collective time out (pass a short timeout= to init_process_group) and retry"
             )

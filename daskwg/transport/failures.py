@@ -1,15 +1,49 @@
-"""What the driver knows of calls it stopped waiting for: :class:`CallWatch`."""
+"""What the driver knows of one group's failures: :class:`FailureState`, and
+:class:`CallWatch`, which tells when a call the driver stopped waiting for has ended.
+
+A group is usable until its :attr:`FailureState.broken` is set (a lost worker, ranks out
+of step, the scheduler gone); every later call raises that error. Calls of a broken
+group that are still running are recorded on the :class:`~daskwg.transport.driver.Driver`
+(``stuck``, ``abandoned``) so that nothing is queued behind them without a word.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from .driver import Driver
+from ..errors import GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from ..wire import Call
+from .driver import AbandonedCall, Driver, GroupRanks, StuckCall
 
-__all__ = ["CallWatch"]
+__all__ = ["CallWatch", "FailureState", "Unsettled", "TRANSFER_ERRORS", "transfer_error"]
+
+#: Seconds a call whose connection dropped waits for the scheduler's or nanny's reason.
+_LOST_REASON_WAIT = 3.0
+
+#: What Dask raises when a result cannot be serialised on the worker or deserialised here.
+TRANSFER_ERRORS = (TypeError, pickle.PicklingError, pickle.UnpicklingError, AttributeError, ImportError)
+
+
+def transfer_error(rank: int, address: str, method: str, exc: BaseException) -> RankError:
+    """The :class:`RankError` of arguments or a result that could not cross processes."""
+    return RankError(
+        rank,
+        address,
+        method,
+        "",
+        TypeError(
+            f"the arguments or the result of {method!r} could not cross between the driver and the worker: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the workers must be able to "
+            "import every class and function sent to them (install its module there), and results must be "
+            "tensors, numpy arrays, DataProto or plain data"
+        ),
+    )
 
 
 class CallWatch:
@@ -21,6 +55,7 @@ class CallWatch:
         driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
 
     def done(self) -> bool:
+        """Whether the call has ended (or its worker is gone)."""
         return self._event.is_set()
 
     async def _poll(self, driver: Driver, address: str, seq: int, interval: float) -> None:
@@ -31,3 +66,200 @@ class CallWatch:
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
             pass
         self._event.set()
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """A call that failed on one rank while others still ran it.
+
+    Attributes:
+        deadline: ``time.monotonic()`` until which the others may finish.
+        method: the call's method.
+        failed_rank: the rank that raised.
+        pending: ``(rank, watch)`` of the ranks still running; ``watch.done()``.
+    """
+
+    deadline: float
+    method: str
+    failed_rank: int
+    pending: list
+
+
+@dataclass
+class FailureState:
+    """The failure state of one group's ranks, as the driver knows it.
+
+    Attributes:
+        ranks: the group's :class:`~daskwg.transport.driver.GroupRanks`.
+        broken: the error every later call raises (a lost worker, ranks out of step, the
+            scheduler gone), or ``None`` while the group is usable.
+        unsettled: a failed call whose other ranks may still be running, until
+            :meth:`settle` decides.
+    """
+
+    ranks: GroupRanks
+    broken: WorkerGroupError | None = None
+    unsettled: Unsettled | None = field(default=None)
+
+    @property
+    def driver(self) -> Driver:
+        return self.ranks.driver
+
+    def settle(self) -> None:
+        """Decide whether an earlier failed call left ranks out of step.
+
+        After a rank raised, the other ranks of that call get a grace period
+        (``daskwg.rank-failure-grace`` seconds) to finish; ranks still running after
+        it are stuck (typically in a collective waiting for the failed rank), so the
+        group is broken.
+        """
+        if self.broken is None and self.ranks.client.status == "connecting":
+            try:
+                self.check_scheduler()
+            except GroupBrokenError:
+                return
+        unsettled = self.unsettled
+        if unsettled is None or self.broken is not None:
+            return
+        while time.monotonic() < unsettled.deadline and not all(w.done() for _, w in unsettled.pending):
+            time.sleep(0.02)
+        self.unsettled = None
+        if self.mark_stuck(unsettled.method, unsettled.pending):
+            self.broken = GroupBrokenError(
+                f"group {self.ranks.name!r} is broken: rank {unsettled.failed_rank} failed in "
+                f"{unsettled.method!r} while other ranks were still running it (e.g. waiting in a "
+                "collective); shut the group down and build a new one (restart the workers if their "
+                "threads stay stuck: client.restart())"
+            )
+
+    def unsettle(self, grace: float, method: str, failed_rank: int, pending: list) -> None:
+        """Record that ``method`` failed on ``failed_rank`` while ``pending`` (``(rank, watch)``)
+        still ran it; :meth:`settle` decides after ``grace`` seconds."""
+        self.unsettled = Unsettled(time.monotonic() + grace, method, failed_rank, pending)
+
+    def mark_stuck(self, method: str, pending: list) -> list:
+        """Record ``(rank, watch)`` pairs still running a failed call on the driver, so
+        that nothing is queued behind them (:meth:`Driver.check_not_stuck`). Returns them."""
+        stuck = [(rank, w) for rank, w in pending if not w.done()]
+        for rank, w in stuck:
+            self.driver.stuck[self.ranks.slots[rank].server_id] = StuckCall(self.ranks.name, method, w)
+        return stuck
+
+    def abandon(self, method: str, pending: list, why: str) -> None:
+        """Record ``(rank, watch)`` pairs of a call the driver stopped waiting for
+        (``why``: "deadline", "interrupted"), so later calls behind it say what they wait
+        for (:meth:`Driver.warn_if_abandoned`) and shutdown does not wait on them."""
+        now = time.monotonic()
+        for rank, watch in pending:
+            self.driver.abandoned[self.ranks.slots[rank].server_id] = AbandonedCall(
+                self.ranks.name, method, watch, now, why
+            )
+
+    def abandon_calls(self, calls: list[Call], why: str) -> None:
+        """:meth:`abandon` for calls whose finished ranks are not known here (an
+        interrupted wait): each rank's worker says so through its progress counter."""
+        try:
+            self.abandon(
+                calls[0].method,
+                [(c.rank, CallWatch(self.driver, self.ranks.address(c.rank), c.seq)) for c in calls],
+                why,
+            )
+        except Exception:  # noqa: BLE001 - the interrupt itself must surface
+            pass
+
+    def is_abandoned(self, slot: Any) -> bool:
+        """Whether ``slot``'s worker still runs a call the driver abandoned."""
+        entry = self.driver.abandoned.get(slot.server_id)
+        return entry is not None and not entry.watch.done()
+
+    def is_stuck(self, slot: Any) -> bool:
+        """Whether ``slot``'s worker is still stuck in a broken group's call."""
+        entry = self.driver.stuck.get(slot.server_id)
+        return entry is not None and not entry.watch.done()
+
+    def check_scheduler(self) -> None:
+        """Mark the group broken once its client lost the scheduler.
+
+        Dask workers close when their scheduler goes away (their Nannies restart them),
+        so the ranks are gone even if the scheduler comes back; without this check an
+        idle group would look healthy and its next call would wait for a connect timeout.
+
+        Raises:
+            GroupBrokenError: the client is not connected.
+        """
+        client = self.ranks.client
+        if client.status == "running":
+            return
+        if self.broken is not None:
+            raise self.broken
+        self.broken = GroupBrokenError(
+            f"group {self.ranks.name!r} is broken: its client lost the scheduler at {client.scheduler.address} "
+            f"(client status {client.status!r}); Dask workers close without a scheduler, so the ranks are "
+            "gone: reconnect and build a new group"
+        )
+        raise self.broken
+
+    def worker_lost(self, address: str, reason: str) -> None:
+        """The scheduler (or a dropped connection) says the worker at ``address`` is gone."""
+        for rank, slot in enumerate(self.ranks.slots):
+            if slot.address == address and slot.server_id in self.driver.lost and self.broken is None:
+                self.broken = WorkerLostError(rank, address, reason)
+
+    def raise_if_lost(self, ranks: Sequence[int]) -> None:
+        """Raise the group's :class:`WorkerLostError` if a worker of ``ranks`` is gone."""
+        if isinstance(self.broken, WorkerLostError):
+            raise self.broken
+        for rank in ranks:
+            if self.ranks.is_lost(rank):
+                raise self.lost(rank)
+
+    def lost(self, rank: int) -> WorkerGroupError:
+        """The group's error now that ``rank``'s worker is known to be gone (set once)."""
+        slot = self.ranks.slots[rank]
+        self.broken = self.broken or WorkerLostError(rank, slot.address, self.driver.lost[slot.server_id])
+        return self.broken
+
+    async def connection_lost(self, rank: int, exc: BaseException) -> WorkerGroupError:
+        """The error of a call whose connection to ``rank``'s worker dropped: the worker is
+        taken as lost, with the scheduler's or nanny's reason when it comes within a moment."""
+        slot = self.ranks.slots[rank]
+        reason = self.driver.lost.get(slot.server_id) or await self._lost_reason(
+            slot.address, slot.server_id, f"connection lost: {exc}"
+        )
+        reason = self.driver.lost.setdefault(slot.server_id, reason)
+        self.worker_lost(slot.address, reason)
+        return self.broken or WorkerLostError(rank, slot.address, str(exc))
+
+    async def _lost_reason(self, address: str, server_id: str, fallback: str) -> str:
+        # A dropped connection comes before the scheduler's or the nanny's word on why
+        # (e.g. a restart for memory): give those a moment, on whichever loop runs this.
+        deadline = time.monotonic() + _LOST_REASON_WAIT
+        while True:
+            reason = self.driver.lost_reason(address, server_id)
+            if reason or time.monotonic() >= deadline:
+                return reason or fallback
+            await asyncio.sleep(0.05)
+
+    def response_error(self, call: Call, exc: BaseException) -> BaseException:
+        """The error a failed direct call raises in the driver: never a bare
+        ``CancelledError`` (a ``BaseException`` that ``except Exception`` misses)."""
+        if isinstance(exc, Exception):
+            return exc
+        # The worker cancelled its handler: it is closing (retired, restarted, scaled
+        # down, or its scheduler went away) while the call ran or waited.
+        slot = self.ranks.slots[call.rank]
+        reason = self.driver.lost.setdefault(
+            slot.server_id, f"the worker closed while running {call.method!r} ({type(exc).__name__})"
+        )
+        self.worker_lost(slot.address, reason)
+        return self.broken or WorkerLostError(call.rank, slot.address, reason)
+
+    def await_loss_news(self, rank: int, seconds: float = 3.0) -> None:
+        """A task cancelled by Dask (``client.restart()``, a retired worker) is followed
+        by the scheduler's remove-worker event: give it a moment to arrive, so the
+        error says the worker was lost instead of a bare "cancelled"."""
+        end = time.monotonic() + seconds
+        while (
+            not self.ranks.is_lost(rank) and self.ranks.client.status == "running" and time.monotonic() < end
+        ):
+            time.sleep(0.02)

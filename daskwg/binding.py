@@ -1,0 +1,198 @@
+"""What every group of ranks has: its class's registered methods bound as attributes,
+and verl's ``execute_*`` calls: :class:`BoundGroup`, the base of
+:class:`~daskwg.group.WorkerGroup` and of the role groups of colocation.
+
+A call of a bound method runs verl's three steps: **dispatch** (the mode's
+``dispatch_fn`` splits the arguments per rank, ``daskwg.dispatch``), **execute** (the group
+sends one call per rank, ``daskwg.transport``) and **collect** (the mode's ``collect_fn``
+merges the per-rank results; padding added by the dispatch is taken off,
+:func:`daskwg.protocol.unpad_rows`). Mirrors verl's ``WorkerGroup._bind_worker_method``
+and ``RayWorkerGroup``'s ``execute_*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+from distributed import Future
+
+from .decorator import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
+from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank
+from .errors import DispatchError
+from .futures import DataProtoFuture
+from .protocol import unpad_rows
+
+__all__ = ["BoundGroup"]
+
+#: Attributes of a group that no registered method may shadow.
+RESERVED = frozenset({"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"})
+
+
+class BoundGroup:
+    """A set of ranks whose class's registered methods are bound as attributes.
+
+    Subclasses set ``_cls`` (the class whose methods are bound), ``_name``,
+    ``_dispatch_info`` and ``_collect_info`` (mesh caches), call
+    :meth:`_bind_registered_methods`, and provide ``world_size``, :meth:`_check_usable`,
+    :meth:`_deliver` and :meth:`_gather_any`.
+    """
+
+    _cls: type
+    _name: str
+    _methods: dict[str, RegisteredMethod]
+    _dispatch_info: dict[str, list[int]]
+    _collect_info: dict[str, list[bool]]
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def method_names(self) -> list[str]:
+        """Names of the registered methods bound on this group."""
+        return sorted(self._methods)
+
+    # ---- verl's execute_* ------------------------------------------------------------
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Run ``method_name`` on every rank and wait; returns the per-rank results.
+
+        An argument that is a list of exactly ``world_size`` items (all arguments
+        being such lists) is split one item per rank; otherwise every rank gets every
+        argument, as verl's ``execute_all_async`` does.
+        """
+        return self._execute_all(method_name, args, kwargs, blocking=True)
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
+        """As :meth:`execute_all_sync` but returns one ``distributed.Future`` per rank."""
+        return self._execute_all(method_name, args, kwargs, blocking=False)
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
+        """Alias of :meth:`execute_all_async`, as in verl."""
+        return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method_name`` on rank 0 only and return its result."""
+        return self._send(method_name, [0], [(args, kwargs)], blocking=True)[0]
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``method_name`` on rank 0 only; returns its ``distributed.Future``."""
+        return self._send(method_name, [0], [(args, kwargs)], blocking=False)[0]
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
+        """Alias of :meth:`execute_rank_zero_async`, as in verl."""
+        return self.execute_rank_zero_async(method_name, *args, **kwargs)
+
+    # ---- binding and calling ---------------------------------------------------------
+
+    def _bind_registered_methods(self) -> dict[str, RegisteredMethod]:
+        methods = {}
+        for attr_name, attr in inspect.getmembers(self._cls):
+            registered = get_registered_method(attr)
+            if registered is None:
+                continue
+            if attr_name in RESERVED or any(attr_name in vars(c) for c in type(self).__mro__):
+                raise ValueError(
+                    f"{self._cls.__name__}.{attr_name} is registered but clashes with the WorkerGroup "
+                    "attribute of that name; rename the method"
+                )
+            bound = functools.partial(self._call_registered, attr_name, registered)
+            functools.update_wrapper(bound, attr)
+            setattr(self, attr_name, bound)
+            methods[attr_name] = registered
+        return methods
+
+    def _call_registered(
+        self, method_name: str, registered: RegisteredMethod, *args: Any, **kwargs: Any
+    ) -> Any:
+        fns = get_predefined_dispatch_fn(registered.dispatch_mode)
+        self._check_usable(method_name)
+        try:
+            d_args, d_kwargs = fns["dispatch_fn"](self, *args, **kwargs)
+        except DispatchError:
+            raise
+        except (TypeError, ValueError, IndexError) as exc:
+            raise DispatchError(f"{self._name}.{method_name}: {exc}") from exc
+        d_kwargs = dict(d_kwargs)
+        pad_size = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
+        check_per_rank(
+            f"the dispatch function of {self._name}.{method_name}", self.world_size, d_args, d_kwargs
+        )
+
+        rank_zero_only = registered.execute_mode == Execute.RANK_ZERO
+        ranks = [0] if rank_zero_only else list(range(self.world_size))
+        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
+        outputs = self._send(
+            method_name, ranks, payloads, blocking=registered.blocking, timeout=registered.timeout
+        )
+        # The group lets go of the parts, so concatenation can free each one as it goes;
+        # the method name and ranks let a collect error say whose outputs it was merging.
+        outputs = RankOutputs(outputs, method=method_name, ranks=ranks)
+        if rank_zero_only:
+            return outputs[0]
+        result = fns["collect_fn"](self, outputs)
+        if result is outputs:
+            result = list(result)
+        if isinstance(result, DataProtoFuture):
+            result = dataclasses.replace(result, gather=self._gather_any)
+        return unpad_rows(result, pad_size)
+
+    def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
+        n = self.world_size
+        values = list(args) + list(kwargs.values())
+        split = bool(values) and all(isinstance(v, list) and len(v) == n for v in values)
+        if split:
+            payloads = [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(n)]
+        else:
+            payloads = [(args, kwargs)] * n
+        return self._send(method_name, list(range(n)), payloads, blocking=blocking)
+
+    def _send(
+        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **options: Any
+    ) -> list:
+        """Send one call to each of ``ranks`` (:meth:`_deliver`), after checking (unless
+        ``check`` is false, as for shutdown) that the group is usable and has the method.
+
+        Raises:
+            GroupBrokenError, WorkerLostError: the group is not usable.
+            AttributeError: the class has no such method.
+        """
+        if check:
+            self._check_usable(method_name)
+            if method_name not in self._methods and not hasattr(self._cls, method_name):
+                raise AttributeError(
+                    f"{self._describe_class()} has no method {method_name!r}; registered methods: "
+                    f"{sorted(self._methods)}"
+                )
+        return self._deliver(method_name, ranks, payloads, check=check, **options)
+
+    def _describe_class(self) -> str:
+        return self._cls.__name__
+
+    def _check_usable(self, method_name: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
+        raise NotImplementedError
+
+    def _gather_any(self, futures: list) -> list:
+        raise NotImplementedError
+
+    def __getattr__(self, item: str) -> Any:
+        # Only reached for names that are not attributes: unknown methods.
+        if item.startswith("__") or item in ("_methods", "_cls"):
+            raise AttributeError(item)
+        methods = self.__dict__.get("_methods", {})
+        cls = self.__dict__.get("_cls")
+        cls_name = cls.__name__ if cls is not None else "the worker class"
+        hint = (
+            f"{cls_name}.{item} exists but is not decorated with @register"
+            if cls is not None and hasattr(cls, item)
+            else f"{cls_name} has no method {item!r}"
+        )
+        raise AttributeError(
+            f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}"
+        )

@@ -1,0 +1,146 @@
+"""What the host thread is doing: :class:`CallTable`, the calls queued for it, the one it
+runs, and the ones whose futures were cancelled (for ``daskwg_status``, ``daskwg_cancel``
+and the driver's deadline reports).
+
+The worker's event loop (handlers) and the host thread both use it; its lock guards the
+queue, and the queue is only ever iterated over as a copy taken under the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future as ConcurrentFuture
+from dataclasses import dataclass
+from typing import Any
+
+from ..wire import Call
+
+__all__ = ["CallTable", "QueuedCall", "RunningCall"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueuedCall:
+    """A call waiting for its turn on the host thread, since ``since`` (``time.time()``)."""
+
+    call: Call
+    since: float
+
+
+@dataclass(frozen=True)
+class RunningCall:
+    """The call the host thread runs now: since ``since`` (``time.time()``), on thread ``ident``."""
+
+    call: Call
+    since: float
+    ident: int
+
+
+class CallTable:
+    """The calls of one worker's host thread, by ``(driver session, seq)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: dict[tuple[str, int], QueuedCall] = {}
+        #: the running call, set and cleared by the host thread.
+        self.running: RunningCall | None = None
+        # Unfinished calls, so that cancelling a call's future (Future.cancel,
+        # client.cancel) reaches it; and the running ones that were cancelled.
+        self._unfinished: dict[tuple[str, int], tuple[Call, ConcurrentFuture]] = {}
+        self._cancelled: set[tuple[str, int]] = set()
+
+    def queue(self, call: Call) -> None:
+        """``call`` waits for its turn from now."""
+        with self._lock:
+            self._queued[(call.session, call.seq)] = QueuedCall(call, time.time())
+
+    def dequeue(self, call: Call) -> None:
+        """``call`` no longer waits (it starts, was refused or was skipped)."""
+        with self._lock:
+            self._queued.pop((call.session, call.seq), None)
+
+    def track(self, call: Call, result: ConcurrentFuture) -> None:
+        """Keep ``call``'s result future until it is done, so that it can be cancelled."""
+        key = (call.session, call.seq)
+        self._unfinished[key] = (call, result)
+        result.add_done_callback(lambda _: self._unfinished.pop(key, None))
+
+    def start(self, call: Call) -> None:
+        """The host thread starts ``call`` (it leaves the queue)."""
+        self.dequeue(call)
+        self.running = RunningCall(call, time.time(), threading.get_ident())
+
+    def finish(self) -> None:
+        """The host thread finished its call."""
+        self.running = None
+
+    def queued(self) -> list[QueuedCall]:
+        """The calls waiting now (a copy)."""
+        with self._lock:
+            return list(self._queued.values())
+
+    def forget_session(self, session: str) -> None:
+        """Drop the queued calls of a driver that left."""
+        with self._lock:
+            for key in [k for k, q in self._queued.items() if q.call.session == session]:
+                del self._queued[key]
+
+    def unfinished(self, session: str, seq: int) -> tuple[Call, ConcurrentFuture] | None:
+        """``(call, result future)`` of call ``seq`` of ``session`` while it is not done."""
+        return self._unfinished.get((session, seq))
+
+    def cancel(self, call: Call, result: ConcurrentFuture, rank_loop: Any) -> str:
+        """Cancel ``call`` as Ray cancels an actor task: a call still waiting for its turn
+        never runs (its place in the order is given up, later calls go on); a running
+        ``async def`` method gets ``asyncio.CancelledError`` at its current ``await``
+        (``rank_loop``: the rank's :class:`~daskwg.plugin.rank_loop.RankLoop`, or ``None``);
+        a running sync method cannot be interrupted (Python cannot stop a thread), so it
+        runs to the end, the rank's next calls wait for it, and ``status()`` shows it as
+        cancelled.
+
+        Returns:
+            ``"skipped"``, ``"interrupted"``, ``"running"`` or ``"done"``.
+        """
+        if result.cancel():
+            self.dequeue(call)
+            logger.info(
+                "cancelled call %d (%r) of group %r rank %d before it ran; later calls go on",
+                call.seq,
+                call.method,
+                call.group_name,
+                call.rank,
+            )
+            return "skipped"
+        running = self.running
+        if running is None or (running.call.session, running.call.seq) != (call.session, call.seq):
+            return "done"
+        self._cancelled.add((call.session, call.seq))
+        task = rank_loop.current_task if rank_loop is not None else None
+        if task is not None:
+            rank_loop.loop.call_soon_threadsafe(task.cancel)
+            logger.info(
+                "cancelled the running async call %r of group %r rank %d: CancelledError at its current await",
+                call.method,
+                call.group_name,
+                call.rank,
+            )
+            return "interrupted"
+        logger.warning(
+            "call %r of group %r rank %d was cancelled while running; a running sync method cannot be "
+            "interrupted, so it runs to the end and the rank's next calls wait for it (see wg.status())",
+            call.method,
+            call.group_name,
+            call.rank,
+        )
+        return "running"
+
+    def was_cancelled(self, call: Call) -> bool:
+        """Whether ``call``'s future was cancelled while it ran."""
+        return (call.session, call.seq) in self._cancelled
+
+    def forget_cancelled(self, call: Call) -> None:
+        """Drop ``call`` from the cancelled calls (its task has ended)."""
+        self._cancelled.discard((call.session, call.seq))

@@ -1,0 +1,184 @@
+"""One rank hosted in this worker: :class:`HostedRank` (the user's instance, its
+environment, running a call on it: resolving ``DataProtoFuture`` arguments, awaiting
+``async def`` methods on the rank's own loop, snapshotting the result) and
+:class:`ProcessEnv`, which gives every group sharing the process its own environment.
+
+Everything here runs on the host thread (``daskwg-host_0``), one call at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .. import serialization, wire
+from ..errors import RankError
+from ..wire import Call, LazyArg
+from . import rows
+from .rank_loop import RankLoop
+
+__all__ = ["HostedRank", "ProcessEnv", "resolve_inputs", "snapshot"]
+
+
+class ProcessEnv:
+    """``os.environ`` as each hosted group must see it.
+
+    Groups sharing this process each see their own rank environment: it is put in
+    place before every call (calls run one at a time on the host thread). Keys another
+    group's env set and this one lacks (its ``worker_env``) go back to the process's own
+    value, so no group sees another group's variables.
+    """
+
+    def __init__(self) -> None:
+        self._current: dict | None = None
+        self._applied: set[str] = set()
+        self._original: dict[str, str | None] = {}
+
+    def apply(self, env: dict, *, force: bool = False) -> None:
+        """Make ``os.environ`` hold ``env`` on top of the process's own variables
+        (``force``: even if ``env`` is the one applied last)."""
+        if env is self._current and not force:
+            return
+        for key in self._applied - env.keys():
+            original = self._original.get(key)
+            if original is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = original
+        for key in env.keys() - self._original.keys():
+            self._original[key] = os.environ.get(key)
+        os.environ.update(env)
+        self._applied = set(env)
+        self._current = env
+
+
+@dataclass
+class HostedRank:
+    """A rank of a group, hosted here.
+
+    Attributes:
+        instance: the user's Worker object.
+        env: the rank's environment (``RANK``, ``WORLD_SIZE``, ..., ``worker_env``).
+        owner: the client id of the driver that owns it.
+        detached: whether it outlives its driver.
+        group_name: its group's name.
+        world_size: its group's size.
+        skip_signal_handlers: rank code may "install" SIGTERM/SIGINT handlers off the main thread.
+        check_process_group: refuse calls while another group's default process group is here.
+        rank_loop: the event loop of its ``async def`` methods, once one ran.
+    """
+
+    instance: Any
+    env: dict
+    owner: str
+    detached: bool
+    group_name: str
+    world_size: int
+    skip_signal_handlers: bool = False
+    check_process_group: bool = True
+    rank_loop: RankLoop | None = None
+
+    def close_loop(self, wait: bool) -> None:
+        """Stop the rank's event loop (its tasks are cancelled); ``wait``: join its thread."""
+        if self.rank_loop is not None:
+            self.rank_loop.close(wait)
+            self.rank_loop = None
+
+    def call(self, call: Call, args: tuple, kwargs: dict) -> Any:
+        """``instance.<call.method>(*args, **kwargs)``, an ``async def`` method awaited on the
+        rank's own event loop (started on first use).
+
+        Raises:
+            AttributeError: the instance has no such method.
+            whatever the method raises.
+        """
+        try:
+            method = getattr(self.instance, call.method)
+        except AttributeError:
+            raise AttributeError(f"{type(self.instance).__name__} has no method {call.method!r}") from None
+        result = method(*args, **kwargs)
+        if inspect.isawaitable(result):
+            if self.rank_loop is None:
+                self.rank_loop = RankLoop(
+                    f"daskwg-rank-{call.group_name}-r{call.rank}", self.skip_signal_handlers
+                )
+            result = self.rank_loop.run(result)
+        return result
+
+
+def resolve_inputs(call: Call, args: tuple, kwargs: dict, lazy_values: list, worker: Any) -> tuple:
+    """``(args, kwargs)`` with every :class:`~daskwg.wire.LazyArg` built from what Dask
+    resolved for it; a failure here (parts that do not concatenate, say) is the producing
+    call's, and is blamed on it.
+
+    Raises:
+        RankError: naming the producing call and ``call``'s method.
+    """
+    current = None
+    try:
+        resolved_args = []
+        for a in args:
+            current = a
+            resolved_args.append(_resolve(a, lazy_values, worker))
+        resolved_kwargs = {}
+        for k, v in kwargs.items():
+            current = v
+            resolved_kwargs[k] = _resolve(v, lazy_values, worker)
+    except Exception as exc:  # noqa: BLE001
+        source = getattr(current, "source", "") or "an earlier call"
+        raise RankError(
+            call.rank,
+            worker.address,
+            f"{source}, whose output could not be built as the input of {call.method!r}",
+            traceback.format_exc(),
+            exc,
+        ) from None
+    return tuple(resolved_args), resolved_kwargs
+
+
+def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
+    if not isinstance(value, LazyArg):
+        return value
+    values = lazy_values[value.index]
+    if value.kind == wire.ROWS:
+        return rows.evaluate_on_worker(value.spec, values, worker)
+    if len(values) == 1:
+        # A part produced on this worker arrives as the very object Dask keeps for
+        # its future: a method that changes its argument in place would change the
+        # future's value for every later reader. Several parts are concatenated,
+        # which copies them anyway.
+        only = values[0]
+        values = [
+            serialization.loads(only, copy=True)
+            if isinstance(only, serialization.Packed)
+            else copy.deepcopy(only)
+        ]
+    else:
+        values = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in values]
+    return value.spec(values)
+
+
+def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:
+    """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
+    a clear error now rather than inside Dask's comm layer later.
+
+    ``result`` must be held by exactly one variable of the caller besides this
+    function's argument (the reference count tells what the rank still holds).
+
+    Raises:
+        TypeError: the result cannot be serialised (the message names the call).
+    """
+    try:
+        # Held by the caller's local and this argument; the call's argument containers
+        # are alive but change nothing.
+        return serialization.snapshot(result, held=2, arguments=arguments)
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(
+            f"{call.group_name}.{call.method} on rank {call.rank} returned a "
+            f"{type(result).__module__}.{type(result).__qualname__}, which cannot be serialised "
+            f"({type(exc).__name__}: {exc}); return tensors, numpy arrays, DataProto or plain data"
+        ) from None

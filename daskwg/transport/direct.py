@@ -1,0 +1,131 @@
+"""The direct path: blocking calls sent straight to the hosting workers' ``daskwg_call``
+handler over Dask's comm, like Dask actors: one round trip, no scheduler hop.
+
+:meth:`DirectPath.send` runs on the calling thread's own event loop (a
+:class:`~daskwg.transport.channel.Channel`) or on the client's (``client.sync``); the
+payloads are already packed once (:func:`daskwg.serialization.dumps`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from distributed.comm.core import CommClosedError
+
+from .. import serialization
+from ..deadlines import Limit
+from ..errors import RankError, WorkerLostError
+from ..wire import Call
+from .driver import GroupRanks
+from .failures import TRANSFER_ERRORS, CallWatch, FailureState, transfer_error
+from .waiting import timeout_error
+
+__all__ = ["DirectPath"]
+
+
+def _consume_exception(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class DirectPath:
+    """Sends one group's blocking calls straight to its ranks' workers.
+
+    Args:
+        ranks: the group's ranks.
+        failures: the group's failure state.
+    """
+
+    def __init__(self, ranks: GroupRanks, failures: FailureState):
+        self.ranks = ranks
+        self.failures = failures
+
+    async def send(
+        self,
+        pool: Any,
+        calls: list[Call],
+        payloads: list,
+        grace: float,
+        private: bool,
+        limit: Limit | None = None,
+        status_timeout: float = 2.0,
+    ) -> list:
+        """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
+
+        Args:
+            pool: a Dask ``ConnectionPool``: the client's (on the client's event loop) or
+                the calling thread's own (``private``), which saves the two thread hops of
+                ``client.sync`` on every call.
+            calls: one :class:`~daskwg.wire.Call` per rank.
+            payloads: per call, a :class:`~daskwg.serialization.Packed`.
+            grace: seconds the other ranks get after one raised.
+            private: ``pool`` belongs to a loop that runs only while its thread is in a call.
+            limit: the call's deadline.
+            status_timeout: seconds a worker gets to answer the deadline report's status request.
+        Returns:
+            the per-rank results, in the order of ``calls``.
+        Raises:
+            RankError: a rank raised (at once; the others get ``grace`` seconds).
+            WorkerLostError: a rank's worker is gone or its connection dropped.
+            CallTimeoutError: ``limit`` passed.
+        """
+        t0 = time.monotonic()
+        tasks = [asyncio.ensure_future(self._one(pool, c, p)) for c, p in zip(calls, payloads)]
+        await asyncio.wait(
+            tasks,
+            timeout=None if limit is None else max(limit.remaining(), 0.0),
+            return_when=asyncio.FIRST_EXCEPTION,
+        )
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
+        for _, t in pending_calls:
+            # They finish whenever the loop runs again; their error handling must still
+            # run (e.g. giving up an undelivered call's place).
+            t.add_done_callback(_consume_exception)
+        # A private loop only runs while its thread is in a call, so its tasks cannot
+        # tell when these ranks finish: ask their workers instead.
+        pending = [
+            (c.rank, CallWatch(self.ranks.driver, self.ranks.address(c.rank), c.seq) if private else t)
+            for c, t in pending_calls
+        ]
+        if failed:
+            exc = failed[0].exception()
+            if pending and isinstance(exc, RankError):
+                self.failures.unsettle(grace, calls[0].method, exc.rank, pending)
+            elif pending and isinstance(exc, WorkerLostError):
+                self.failures.mark_stuck(calls[0].method, pending)
+            raise exc
+        if pending:
+            self.failures.abandon(calls[0].method, pending, "deadline")
+            done = {c.rank for c, t in zip(calls, tasks) if t.done()}
+            raise await timeout_error(
+                self.ranks, pool, calls, done, limit, time.monotonic() - t0, status_timeout
+            )
+        return [t.result() for t in tasks]
+
+    async def _one(self, pool: Any, call: Call, payload: serialization.Packed) -> Any:
+        address = self.ranks.address(call.rank)
+        try:
+            response = await pool(address).daskwg_call(
+                call=call.to_wire(), payload=serialization.message_part(payload)
+            )
+        except (CommClosedError, OSError) as exc:
+            raise await self.failures.connection_lost(call.rank, exc) from None
+        except TRANSFER_ERRORS as exc:
+            # The arguments could not be unpickled on the worker, or the result here:
+            # name the call instead of a bare Dask protocol error. If the call never
+            # reached the host, its place in the order must be given up, or every later
+            # call to this worker would wait behind it (skip is a no-op if it ran).
+            try:
+                await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
+            except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
+                pass
+            raise transfer_error(call.rank, address, call.method, exc) from None
+        if response.get("status") != "OK":
+            raise self.failures.response_error(call, response["exception"])
+        try:
+            return serialization.unpack(response["result"])
+        except TRANSFER_ERRORS as exc:
+            raise transfer_error(call.rank, address, call.method, exc) from None

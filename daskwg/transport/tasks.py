@@ -1,0 +1,233 @@
+"""The task path: calls that go as Dask tasks (non-blocking calls, and calls that take a
+``DataProtoFuture``), so that their results stay on the workers as Dask futures and
+futures passed to the next call move worker to worker.
+
+Each call is one task pinned to its rank's worker (``workers=[address]``,
+``allow_other_workers=False``, ``pure=False``, no retries), keyed
+``"<group>.<method>-<call>-r<rank>-<id>"`` (:func:`daskwg.wire.task_key`). The scheduler
+never holds a batch and never unpickles anything of torch or daskwg: the task's function
+is ``_daskwg_task.run`` naming the worker-side function (:data:`daskwg.wire.RUN_CALL`),
+its arguments are plain data (the call as a tuple, the arguments pickled once), and
+arguments over ``daskwg.scatter-above`` bytes are sent by the driver straight to the
+rank's worker (``client.scatter(..., workers=[address], direct=True)``) and referenced
+by key. A ``DataProtoFuture`` argument reaches a rank as one small
+:class:`daskwg.wire.PartInfo` per part; the rank then fetches only its rows from the
+workers holding them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import Future
+
+import _daskwg_task
+
+from .. import serialization, wire
+from ..config import Settings
+from ..futures import DataProtoFuture
+from ..wire import Call, LazyArg
+from .driver import GroupRanks, TaskCall
+
+__all__ = ["TaskPath", "extract_lazies"]
+
+
+def _hold(keep: tuple, future: Future) -> None:
+    """Done callback whose only job is to keep ``keep`` referenced until then."""
+
+
+class TaskPath:
+    """Submits one group's task-path calls.
+
+    Args:
+        ranks: the group's ranks.
+    """
+
+    def __init__(self, ranks: GroupRanks):
+        self.ranks = ranks
+
+    def submit(
+        self,
+        calls: list[Call],
+        payloads: list[serialization.Packed],
+        lazies: list[list],
+        keep: Sequence[Future],
+        settings: Settings,
+    ) -> list[Future]:
+        """Submit one task per call; returns their futures, in the order of ``calls``.
+
+        Args:
+            calls: one per rank.
+            payloads: each call's arguments, packed once.
+            lazies: per call, what Dask resolves on the worker for its ``LazyArg``\\ s.
+            keep: futures (parts of ``DataProtoFuture`` arguments) to keep alive until
+                the calls end.
+            settings: the call's settings (``scatter_above``, ``paused_timeout``).
+        """
+        ranks, driver, client = self.ranks, self.ranks.driver, self.ranks.client
+        call_no = next(driver.call_numbers)
+        futures: list[Future] = []
+        try:
+            keys = [wire.task_key(ranks.name, c.method, call_no, c.rank, ranks.group_id) for c in calls]
+            staged = self._stage(
+                keys, [ranks.address(c.rank) for c in calls], payloads, settings.scatter_above
+            )
+            now = time.monotonic()
+            for call, key, payload, call_lazies in zip(calls, keys, staged, lazies):
+                address = ranks.address(call.rank)
+                future = self.submit_task(
+                    wire.RUN_CALL, (call.to_wire(), payload, call_lazies or None, key), key, address
+                )
+                driver.calls[future] = TaskCall(call, now, settings.paused_timeout)
+                if keep:
+                    # The parts this call fetches rows of must outlive the call, even if the
+                    # driver drops their DataProtoFuture right after this returns.
+                    future.add_done_callback(functools.partial(_hold, tuple(keep)))
+                future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
+                driver.inflight[ranks.slots[call.rank].server_id].add(future)
+                futures.append(future)
+        except BaseException:
+            # Calls that were never submitted must not hold up later ones on their workers.
+            for call in calls[len(futures) :]:
+                client.loop.add_callback(self._send, "daskwg_skip", ranks.address(call.rank), [call.seq])
+            raise
+        return futures
+
+    def submit_task(self, target: str, args: tuple, key: str, address: str | None) -> Future:
+        """Submit ``target(*args)`` (``"module:function"`` on the worker) as a Dask task
+        pinned to ``address``, without retries."""
+        client = self.ranks.client
+        future = client.submit(
+            _daskwg_task.run,
+            target,
+            *args,
+            key=key,
+            workers=None if address is None else [address],
+            allow_other_workers=False,
+            pure=False,
+            retries=0,
+        )
+        if address is not None:
+            placement = self.ranks.driver.placement
+            placement[key] = address
+            weakref.finalize(future, placement.pop, key, None)
+        return future
+
+    def _stage(
+        self, keys: list[str], addresses: list[str], payloads: list[serialization.Packed], scatter_above: int
+    ) -> list[tuple]:
+        """Per call, ``(INLINE, header, buffers)`` for a small payload, or ``(SCATTERED,
+        future)`` for one sent straight to its worker (never through the scheduler)."""
+        big = [i for i, p in enumerate(payloads) if p.nbytes > scatter_above]
+        staged: list[tuple] = [
+            None if i in big else (wire.INLINE, p.header, [bytes(b) for b in p.buffers])
+            for i, p in enumerate(payloads)
+        ]
+        if big:
+            items = [(f"{keys[i]}-args", payloads[i], addresses[i]) for i in big]
+            for i, future in zip(big, self.ranks.client.sync(self._scatter, items)):
+                staged[i] = (wire.SCATTERED, future)
+        return staged
+
+    async def _scatter(self, items: list[tuple[str, Any, str]]) -> list[Future]:
+        client = self.ranks.client
+        scattered = await asyncio.gather(
+            *(
+                client._scatter({name: value}, workers=[address], direct=True)
+                for name, value, address in items
+            )
+        )
+        return [s[name] for s, (name, _, _) in zip(scattered, items)]
+
+    def part_infos(self, future: DataProtoFuture) -> list[Future]:
+        """A :class:`~daskwg.wire.PartInfo` future for every part ``future`` reads, each
+        computed once, next to its part."""
+        driver = self.ranks.driver
+        _, part_futures = future.plan()
+        infos = []
+        for part in part_futures:
+            key = str(part.key)
+            info = driver.part_infos.get(key)
+            if info is None or info.status in ("cancelled", "lost"):
+                info = self.submit_task(
+                    wire.PART_INFO,
+                    (part, key),
+                    f"{key}-rows-{next(driver.call_numbers)}",
+                    driver.placement.get(key),
+                )
+                driver.part_infos[key] = info
+                weakref.finalize(part, driver.part_infos.pop, key, None)
+            infos.append(info)
+        return infos
+
+    def _skip_if_not_run(self, address: str, seq: int, future: Future) -> None:
+        status = future.status
+        if status == "finished":
+            return
+        loop = self.ranks.client.loop
+        if status == "cancelled":
+            # Future.cancel() / client.cancel(): Dask lets go of the task but cannot stop
+            # the rank; tell the worker (a queued call is skipped, an async one interrupted).
+            loop.add_callback(self._send, "daskwg_cancel", address, [seq])
+            return
+        # Also after a RankError: it may be the error of a call this one depended on (a
+        # DataProtoFuture's producer), in which case this call never reached its rank.
+        # Skipping a call that ran is a no-op on the worker.
+        loop.add_callback(self._send, "daskwg_skip", address, [seq])
+
+    async def _send(self, handler: str, address: str, seqs: list[int]) -> None:
+        try:
+            await getattr(self.ranks.client.rpc(address), handler)(
+                session=self.ranks.driver.session, seqs=seqs
+            )
+        except Exception:  # noqa: BLE001 - the worker may be gone; nothing runs or waits there then
+            pass
+
+
+def _source_of(driver: Any, futures: Sequence[Any]) -> str:
+    """``"group.method (ranks 0, 1)"``: the call that produced these futures."""
+    known = [c for c in map(driver.call_of, futures) if c is not None]
+    if not known:
+        return ""
+    ranks = ", ".join(str(c.rank) for c in known)
+    return f"{known[0].group_name}.{known[0].method} (ranks {ranks})"
+
+
+def extract_lazies(payload: tuple, lazies: list[list], task_path: TaskPath, keep: list) -> tuple:
+    """Replace ``DataProtoFuture`` arguments by :class:`~daskwg.wire.LazyArg` placeholders.
+
+    What the rank needs of them is appended to ``lazies`` (a list the Dask task takes
+    as an argument, so Dask resolves it on the worker): for a future that is a row
+    range, a union or otherwise transformed, one :class:`~daskwg.wire.PartInfo` future per
+    part, the rank fetching only its rows itself, and the parts' futures go to ``keep``;
+    for a single whole part, the part itself.
+
+    Raises:
+        ValueError: a transformed future whose parts are not plainly concatenated.
+    """
+    args, kwargs = payload
+    driver = task_path.ranks.driver
+
+    def swap(value: Any) -> Any:
+        if not isinstance(value, DataProtoFuture):
+            return value
+        whole_part = len(value.futures) == 1 and not (value.ops or value.rows is not None or value.pad_size)
+        if value.row_addressable and not whole_part:
+            plan, part_futures = value.plan()
+            lazies.append(task_path.part_infos(value))
+            keep.extend(part_futures)
+            return LazyArg(len(lazies) - 1, wire.ROWS, plan, _source_of(driver, part_futures))
+        if value.ops or value.rows is not None:
+            raise ValueError(
+                "union/select/repeat/rename/chunk need a DataProtoFuture whose parts are concatenated "
+                "(the default collect_fn) and no dispatch_fn"
+            )
+        lazies.append(list(value.futures))
+        return LazyArg(len(lazies) - 1, wire.PARTS, value.transform, _source_of(driver, value.futures))
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}

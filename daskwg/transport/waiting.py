@@ -1,0 +1,282 @@
+"""Waiting for a group's task-path futures: :class:`Waiter`, and the deadline report of any
+wait (:func:`timeout_error`).
+
+A wait never blocks on a lost worker: it polls (``daskwg.poll-interval``) for lost
+workers, the scheduler's state and its deadline between waits on the futures, so a lost
+rank raises ``WorkerLostError`` within a poll interval and a deadline raises
+``CallTimeoutError`` naming what each rank is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import Future
+from distributed import wait as dask_wait
+from distributed.client import FuturesCancelledError
+
+from .. import forensics
+from ..config import Settings
+from ..deadlines import Limit, current_limit
+from ..errors import CallTimeoutError, GroupBrokenError, RankError, WorkerGroupError
+from ..wire import Call
+from .driver import GroupRanks
+from .failures import TRANSFER_ERRORS, FailureState, transfer_error
+
+__all__ = ["Waiter", "timeout_error"]
+
+logger = logging.getLogger(__name__)
+
+
+async def timeout_error(
+    ranks: GroupRanks,
+    rpc: Any,
+    calls: list[Call],
+    done: set[int],
+    limit: Limit,
+    waited: float,
+    status_timeout: float,
+) -> CallTimeoutError:
+    """A :class:`CallTimeoutError` whose ``ranks``/``stacks`` were read on the workers now.
+
+    Args:
+        rpc: ``address -> rpc`` (a Dask ``ConnectionPool`` or ``client.rpc``).
+        calls: the calls that passed their deadline, one per rank.
+        done: the ranks among them that finished.
+        limit: the deadline that passed.
+        waited: seconds the driver waited.
+        status_timeout: seconds each worker gets to answer the status request.
+    """
+    addresses = {c.rank: ranks.address(c.rank) for c in calls}
+    answers = await forensics.query_status(
+        rpc, [a for r, a in addresses.items() if not ranks.is_lost(r)], status_timeout
+    )
+    states, stacks, notes = forensics.call_states(calls, addresses, done, answers)
+    method = calls[0].method
+    message = forensics.verdict(ranks.name, method, waited, limit.seconds, states, notes, addresses)
+    return CallTimeoutError(method, limit.seconds, states, stacks, message)
+
+
+class Waiter:
+    """Waits for the task-path futures of one group's calls.
+
+    Args:
+        ranks: the group's ranks.
+        failures: the group's failure state (set broken by what the waits see).
+    """
+
+    def __init__(self, ranks: GroupRanks, failures: FailureState):
+        self.ranks = ranks
+        self.failures = failures
+
+    def rank_of(self, future: Any) -> int | None:
+        """The rank a future of this driver's task-path calls stands for (``None``: unknown)."""
+        call = self.ranks.driver.call_of(future)
+        return None if call is None or call.group_id != self.ranks.group_id else call.rank
+
+    def gather(
+        self,
+        futures: list[Future],
+        method_name: str,
+        settings: Settings,
+        grace: float | None = None,
+        *,
+        limit: Limit | None = None,
+    ) -> list:
+        """Wait for per-rank futures; the first failure raises at once. Never waits on a
+        lost worker: its rank raises ``WorkerLostError`` within the poll interval.
+
+        Args:
+            futures: the calls' Dask futures.
+            method_name: named in errors.
+            settings: the call's settings.
+            grace: seconds the other ranks get after one raised (default
+                ``settings.rank_failure_grace``).
+            limit: the deadline (default: this thread's :func:`~daskwg.deadlines.current_limit`).
+        Returns:
+            the values, in the order of ``futures``.
+        Raises:
+            RankError, WorkerLostError, GroupBrokenError, WorkerPausedError: as a call failed.
+            CallTimeoutError: ``limit`` passed first.
+        """
+        if limit is None:
+            limit = current_limit(None, settings.call_timeout)
+        try:
+            return self._gather(futures, method_name, settings, grace, limit)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            pending = [
+                (r, f) for r, f in zip(map(self.rank_of, futures), futures) if r is not None and not f.done()
+            ]
+            self.failures.abandon(method_name, pending, "interrupted")
+            raise
+
+    def _gather(
+        self,
+        futures: list[Future],
+        method_name: str,
+        settings: Settings,
+        grace: float | None,
+        limit: Limit | None,
+    ) -> list:
+        ranks = [self.rank_of(f) for f in futures]
+        warned: set[str] = set()
+        t0 = time.monotonic()
+        while True:
+            failed = [f for f in futures if f.status in ("error", "cancelled")]
+            pending = [f for f in futures if not f.done()]
+            if failed:
+                exc = self.future_error(failed[0], method_name)
+                if pending and isinstance(exc, RankError):
+                    self.failures.unsettle(
+                        settings.rank_failure_grace if grace is None else grace,
+                        method_name,
+                        exc.rank,
+                        [(r, f) for r, f in zip(ranks, futures) if not f.done()],
+                    )
+                raise exc
+            if not pending:
+                try:
+                    return self.ranks.client.gather(futures)
+                except TRANSFER_ERRORS as exc:
+                    raise transfer_error(-1, "?", method_name, exc) from None
+            running = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
+            try:
+                self.failures.check_scheduler()
+                self.failures.raise_if_lost([r for r, _ in running if r is not None])
+            except WorkerGroupError:
+                self.failures.mark_stuck(method_name, [(r, f) for r, f in running if r is not None])
+                raise
+            self._warn_if_paused([r for r, _ in running], method_name, warned, settings.paused_warning)
+            wait_s = settings.poll_interval
+            if limit is not None:
+                if limit.remaining() <= 0:
+                    self.failures.abandon(
+                        method_name, [(r, f) for r, f in running if r is not None], "deadline"
+                    )
+                    raise self._futures_timeout_error(
+                        futures, method_name, limit, time.monotonic() - t0, settings.status_timeout
+                    )
+                wait_s = min(wait_s, limit.remaining())
+            try:
+                self.wait_first(pending, max(wait_s, 0.001))
+            except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
+                pass  # a cancelled future is reported by the next round
+
+    def wait_first(self, futures: list[Future], timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the first of ``futures`` to finish."""
+        # distributed.wait runs on the *default* client's loop; with several clients in
+        # one process that may not be the one owning these futures.
+        with self.ranks.client.as_current():
+            dask_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def _futures_timeout_error(
+        self, futures: list[Future], method_name: str, limit: Limit, waited: float, status_timeout: float
+    ) -> CallTimeoutError:
+        calls = self.calls_of(futures, method_name)
+        done = {c.rank for c, f in zip(calls, futures) if f.done()}
+        client = self.ranks.client
+        return client.sync(timeout_error, self.ranks, client.rpc, calls, done, limit, waited, status_timeout)
+
+    def calls_of(self, futures: list[Future], method_name: str) -> list[Call]:
+        """The ``Call`` records behind task-path futures (what the status records name)."""
+        ranks = self.ranks
+        calls = []
+        for future in futures:
+            call = ranks.driver.call_of(future)
+            if call is None or call.group_id != ranks.group_id:
+                call = Call(ranks.driver.session, -1, ranks.group_id, ranks.name, 0, method_name, ranks.owner)
+            calls.append(call)
+        return calls
+
+    def wait_for_queue_room(
+        self, slots: Sequence[Any], method_name: str, limit: Limit | None, settings: Settings
+    ) -> None:
+        """Wait while a worker already has ``daskwg.max-queued-calls`` unfinished task-path
+        calls of this driver, so queued calls cannot grow without bound.
+
+        Raises:
+            CallTimeoutError: ``limit`` passed while waiting.
+            WorkerLostError: the worker is gone.
+        """
+        most = settings.max_queued_calls
+        inflight = self.ranks.driver.inflight
+        for slot in slots:
+            while True:
+                pending = [f for f in list(inflight.get(slot.server_id, ())) if not f.done()]
+                if len(pending) < most:
+                    break
+                if limit is not None and limit.remaining() <= 0:
+                    raise CallTimeoutError(
+                        method_name,
+                        limit.seconds,
+                        {},
+                        {},
+                        f"{self.ranks.name}.{method_name} passed its deadline of {limit.seconds:g} s waiting for "
+                        f"a place in the queue of {slot.address}: {len(pending)} calls wait there "
+                        "(daskwg.max-queued-calls); wait for some of them, or raise the setting",
+                    )
+                self.failures.raise_if_lost([self.ranks.slots.index(slot)])
+                try:
+                    self.wait_first(pending, 0.5)
+                except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
+                    pass
+
+    def _warn_if_paused(
+        self, ranks: Sequence[int | None], method_name: str, warned: set[str], after: float
+    ) -> None:
+        paused = self.ranks.driver.paused
+        for rank in ranks:
+            if rank is None:
+                continue
+            address = self.ranks.address(rank)
+            since = paused.get(address)
+            if since is None or address in warned or time.monotonic() - since < after:
+                continue
+            warned.add(address)
+            logger.warning(
+                "%s.%s: rank %d waits on worker %s, which is paused (its memory use is above "
+                "distributed.worker.memory.pause) and starts no tasks until it frees memory; "
+                "free memory there, raise the worker's memory_limit or the pause threshold",
+                self.ranks.name,
+                method_name,
+                rank,
+                address,
+            )
+
+    def future_error(self, future: Future, method_name: str) -> BaseException:
+        """The error a failed or cancelled task-path future raises in the driver: typed,
+        never Dask's bare ``CancelledError``."""
+        rank = self.rank_of(future)
+        address = self.ranks.address(rank) if rank is not None else "?"
+        if future.status == "cancelled":
+            if rank is not None:
+                self.failures.await_loss_news(rank)
+            if self.ranks.client.status != "running":
+                try:
+                    self.failures.check_scheduler()
+                except GroupBrokenError as exc:
+                    return exc
+            if rank is not None and self.ranks.is_lost(rank):
+                return self.failures.lost(rank)
+            paused = self.ranks.driver.paused_out.pop(future.key, None)
+            if paused is not None:
+                return paused
+            return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
+        exc = future.exception()
+        if isinstance(exc, WorkerGroupError):
+            return exc
+        tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
+        return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
+
+    def gather_any(self, futures: list, settings: Settings) -> list:
+        """:meth:`gather` of futures from any call of this driver (a ``DataProtoFuture``'s
+        parts), naming the producing method in errors."""
+        futures = list(futures)
+        calls = [self.ranks.driver.call_of(f) for f in futures]
+        method = next((c.method for c in calls if c is not None), "DataProtoFuture.get")
+        return self.gather(futures, method, settings)
