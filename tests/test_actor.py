@@ -110,8 +110,7 @@ def test_an_async_call_is_finished_when_its_coroutine_returns(actors):
 
 
 def _running_stacks(dask_worker) -> list[str]:
-    host = dask_worker.plugins["daskwg"]
-    return [r["stack"] for r in host._handle_status() if r["state"] == "running"]
+    return [r["stack"] for r in dask_worker.handlers["daskwg_status"]() if r["state"] == "running"]
 
 
 def test_the_status_of_a_running_async_call_shows_where_its_coroutine_is(actors, client3):
@@ -410,3 +409,32 @@ def test_a_worker_its_nanny_restarts_for_memory_gives_worker_lost_saying_so():
         assert "nanny restarted it for memory" in message
         assert "distributed.worker.memory.terminate" in message
         assert "memory_limit 1.00 GiB" in message
+
+
+def _release_while_the_host_thread_dequeues(dask_worker, calls: int) -> list[str]:
+    """Queue ``calls`` calls of a group this worker does not host (each fails at once on
+    the host thread, which takes it off the queue), and answer ``daskwg_release`` on the
+    event loop meanwhile, as a departing driver's release does. Returns the errors."""
+    from daskwg.wire import Call
+
+    host = dask_worker.plugins["daskwg"]
+    release = dask_worker.handlers["daskwg_release"]
+    session = f"race-{time.monotonic_ns()}"
+    results = [
+        host.enqueue(Call(session, seq, "ghost", "ghost", 0, "nap", session), ((), {}))
+        for seq in range(calls)
+    ]
+    errors = []
+    deadline = time.monotonic() + 60
+    while not results[-1].done() and time.monotonic() < deadline:
+        try:
+            release(client="a-driver-that-left")
+        except RuntimeError as exc:  # "dictionary changed size during iteration"
+            errors.append(str(exc))
+    return errors
+
+
+def test_releasing_a_departed_drivers_ranks_while_calls_leave_the_queue_never_fails(actors, client3):
+    address = actors.workers[0]
+    errors = client3.run(_release_while_the_host_thread_dequeues, calls=30_000, workers=[address])[address]
+    assert errors == []
