@@ -458,6 +458,9 @@ class WorkerGroup(BoundGroup):
     def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
         return self._transport.send(method_name, ranks, payloads, **options)
 
+    def _gather(self, futures: list, method_name: str) -> list:
+        return self._transport.gather(futures, method_name)
+
     def _gather_any(self, futures: list) -> list:
         return self._transport.gather_any(futures)
 

@@ -9,11 +9,18 @@ import subprocess
 import sys
 import time
 
+import dask.config
 import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 # Worker processes import the test modules' Worker classes by reference.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# A LocalCluster closes the Nanny of a worker that has not re-registered within
+# distributed.deploy.lost-worker-timeout (15 s) of its removal. A restarted worker whose
+# process needs longer to start (importing torch on a loaded 2-core machine) would lose its
+# Nanny for good, and the restart would wait for a worker that never comes back.
+dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
 
 def process_cluster(n_workers: int, **kwargs) -> LocalCluster:
