@@ -166,12 +166,20 @@ def _dump(obj: Any, private: set[int] | None, out_of_band: bool = True) -> Packe
                     raise
                 continue
             header = f.getvalue()
-            if pickler is _Pickler and b"__main__" in header:
-                continue  # by-reference pickles of __main__ objects do not load elsewhere
+            if pickler is _Pickler and _names_by_value_module(header):
+                continue  # by-reference pickles of these objects do not load elsewhere
             return Packed(header, [b.raw() for b in buffers])
     finally:
         _packing.reset(token)
     raise AssertionError("unreachable")
+
+
+def _names_by_value_module(header: bytes) -> bool:
+    """Whether a by-reference pickle names ``__main__`` or a module registered with
+    ``cloudpickle.register_pickle_by_value``, whose objects cloudpickle sends by value."""
+    return b"__main__" in header or any(
+        name.encode() in header for name in cloudpickle.list_registry_pickle_by_value()
+    )
 
 
 def dumps(obj: Any) -> Packed:
