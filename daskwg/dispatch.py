@@ -248,12 +248,12 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
     group's :class:`RankOutputs`. verl DataProto outputs are concatenated as daskwg ones
     (replaced in ``outputs``, which the group gave up) and the result is verl's again.
     """
-    verl_cls = foreign.nativize(outputs)
     method = getattr(outputs, "method", None)
     ranks = getattr(outputs, "ranks", None) or list(range(len(outputs)))
     if keep is not None:
         ranks = [r for r, k in zip(ranks, keep) if k]
         outputs = RankOutputs([o for o, k in zip(outputs, keep) if k], method=method, ranks=ranks)
+    verl_cls = foreign.nativize(outputs)
     if not outputs:
         raise ValueError(f"{mode} has no outputs to collect")
     for kind, concat in (

@@ -125,7 +125,7 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
         return _value(response["data"])
 
     value = evaluate(plan, [i.rows for i in infos], [i.meta_info for i in infos], fetch)
-    # Parts all of verl's class give it back (where verl is loaded: the consumer's class is verl's).
+    # All parts verl's: verl's class again (loaded here when the consuming class is verl's).
     names = {i.dataproto_class for i in infos}
     cls = foreign.loaded_class(names.pop()) if len(names) == 1 and None not in names else None
     return foreign.from_native(value, cls)

@@ -14,11 +14,13 @@ daskwg's native API (the native API keeps its own):
   workers no live pool holds. Groups built on one pool share its processes (colocation).
 - ``RayWorkerGroup`` is a :class:`daskwg.WorkerGroup`: every rank sees verl's variables
   (``WG_PREFIX``, ``WG_BACKEND``, ``RAY_LOCAL_WORLD_SIZE``, ``RAY_LOCAL_RANK``) besides
-  daskwg's; a method registered with ``Dispatch.ALL_TO_ALL`` splits its arguments only
+  daskwg's; a method registered with ``Dispatch.ALL_TO_ALL`` (on the group or on a role
+  group of its ``spawn``) splits its arguments only
   when every one is a list of ``world_size`` entries and otherwise gives every rank the
   same arguments (verl's ``execute_all``; daskwg's native ALL_TO_ALL raises
   ``DispatchError``); ``worker_names`` are verl's ``{prefix}{Class}_{node}:{local_rank}``
-  and :meth:`RayWorkerGroup.from_detached` reattaches to any live group by them, from
+  and :meth:`RayWorkerGroup.from_detached` (or ``RayWorkerGroup(worker_names=...)``)
+  reattaches to any live group by them, from
   any process with a client of the cluster (a Dask task included); non-blocking
   ``DP_COMPUTE_PROTO`` calls return futures that are also ``verl.protocol.DataProtoFuture``
   instances when verl is loaded.
