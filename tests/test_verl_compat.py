@@ -349,8 +349,9 @@ def test_get_materialises_a_dataproto_future(scaler2):
 
 
 def test_get_raises_rank_error_for_a_rank_that_raised(scaler2):
-    with pytest.raises(daskwg.RankError, match="rank 0 fails on purpose"):
-        daskwg.get(scaler2.execute_all_async("fail"))
+    with pytest.raises(daskwg.RankError, match="rank 1 fails on purpose") as info:
+        daskwg.get(scaler2.execute_all_async("fail", 1))
+    assert info.value.rank == 1
 
 
 def test_get_refuses_what_is_not_a_future():

@@ -75,8 +75,10 @@ class VerlScaler(Worker):
         return ray.util.get_node_ip_address()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def fail(self):
-        raise ValueError(f"rank {self.rank} fails on purpose")
+    def fail(self, rank: int):
+        if self.rank == rank:
+            raise ValueError(f"rank {self.rank} fails on purpose")
+        return self.rank
 
 
 class VerlPair(Worker):

@@ -130,7 +130,11 @@ class RayWorkerGroup(WorkerGroup):
             set (``ValueError`` naming the key, as verl).
         master_port: the ``MASTER_PORT`` to use.
         client: the Dask client (default ``distributed.get_client()``).
-        bin_pack, device_name, profile_steps, ...: verl's, accepted and not used.
+        bin_pack: verl's, accepted and not used, as ``worker_handles``,
+            ``ray_wait_register_center_timeout`` and the keyword arguments
+            ``device_name``, ``profile_steps``, ``worker_nsight_options``,
+            ``master_port_range`` and ``use_gpu``.
+        **kwargs: those of verl's keyword arguments.
 
     Raises:
         ValueError: a reserved key in ``worker_env``; neither a pool nor worker names; no

@@ -42,10 +42,12 @@ class RayResourcePool:
     Args:
         process_on_nodes: processes per node, e.g. ``[4]`` or ``[2, 2]``; the pool holds
             ``sum(process_on_nodes)`` workers, taken in daskwg's rank order (by host).
-        use_gpu, max_colocate_count, accelerator_type: verl's placement-group settings,
-            kept as attributes and not used (a Dask worker owns its GPU under dask-cuda).
+        use_gpu: verl's placement-group setting, kept as an attribute and not used (a Dask
+            worker owns its GPU under dask-cuda).
         name_prefix: the pool's name (random when ``None``, as verl).
+        max_colocate_count: likewise kept and not used.
         detached: kept for :func:`merge_resource_pool`'s check.
+        accelerator_type: likewise kept and not used.
         client: the Dask client (default: ``distributed.get_client()`` when first used).
 
     The workers are chosen when a group or a split first needs them; from then on no
