@@ -19,6 +19,7 @@ from .decorator import (
 )
 from .dispatch import make_nd_compute_dataproto_dispatch_fn
 from .errors import (
+    BatchDimsError,
     CallTimeoutError,
     ConcatError,
     ConflictError,
@@ -35,11 +36,13 @@ from .futures import DataProtoFuture
 from .group import WorkerGroup
 from .pool import ResourcePool
 from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
+from .resolve import get
 from .worker import ClassWithInitArgs, DistGlobalInfo, DistRankInfo, Worker
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDimsError",
     "CallTimeoutError",
     "ClassWithInitArgs",
     "ConcatError",
@@ -65,6 +68,7 @@ __all__ = [
     "WorldSizeError",
     "create_colocated_worker_cls",
     "deadline",
+    "get",
     "local_cluster",
     "make_nd_compute_dataproto_dispatch_fn",
     "pad_dataproto_to_divisor",

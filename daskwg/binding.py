@@ -20,15 +20,26 @@ from typing import Any
 from distributed import Future
 
 from .decorator import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
-from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank
+from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank, dispatch_all_to_all, dispatch_one_to_all
 from .errors import DispatchError
 from .futures import DataProtoFuture
 from .protocol import unpad_rows
 
-__all__ = ["BoundGroup"]
+__all__ = ["BoundGroup", "split_or_broadcast"]
 
 #: Attributes of a group that no registered method may shadow.
 RESERVED = frozenset({"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"})
+
+
+def split_or_broadcast(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """A dispatch function with verl's ``execute_all`` rule (what verl's ``ALL_TO_ALL``
+    amounts to): arguments that are all lists of ``world_size`` entries are split one per
+    rank, any others go to every rank as given. ``execute_all_*`` and ``daskwg.verl``'s
+    groups use it."""
+    n = worker_group.world_size
+    if all(isinstance(v, list) and len(v) == n for v in (*args, *kwargs.values())):
+        return dispatch_all_to_all(worker_group, *args, **kwargs)
+    return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
 class BoundGroup:
@@ -105,10 +116,15 @@ class BoundGroup:
             methods[attr_name] = registered
         return methods
 
+    def _dispatch_fns(self, registered: RegisteredMethod) -> dict[str, Any]:
+        """The ``{"dispatch_fn", "collect_fn"}`` a call of ``registered`` runs with: its mode's
+        (``daskwg.verl``'s groups give ``ALL_TO_ALL`` verl's meaning here)."""
+        return get_predefined_dispatch_fn(registered.dispatch_mode)
+
     def _call_registered(
         self, method_name: str, registered: RegisteredMethod, *args: Any, **kwargs: Any
     ) -> Any:
-        fns = get_predefined_dispatch_fn(registered.dispatch_mode)
+        fns = self._dispatch_fns(registered)
         self._check_usable(method_name)
         try:
             d_args, d_kwargs = fns["dispatch_fn"](self, *args, **kwargs)
@@ -142,12 +158,8 @@ class BoundGroup:
 
     def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
         n = self.world_size
-        values = list(args) + list(kwargs.values())
-        split = bool(values) and all(isinstance(v, list) and len(v) == n for v in values)
-        if split:
-            payloads = [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(n)]
-        else:
-            payloads = [(args, kwargs)] * n
+        d_args, d_kwargs = split_or_broadcast(self, *args, **kwargs)
+        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in range(n)]
         return self._send(method_name, list(range(n)), payloads, blocking=blocking)
 
     def _send(

@@ -201,12 +201,17 @@ def tensordict_state(td: TensorDictBase) -> tuple:
 
 
 def tensordict_from_state(state: tuple) -> Any:
-    """The TensorDict :func:`tensordict_state` described (its tensors already rebuilt by pickle)."""
+    """The TensorDict :func:`tensordict_state` described: its tensors rebuilt by pickle, or
+    still in their :class:`TensorBytes` when the state was not pickled (``copy.copy``)."""
     if state[0] == "o":
         return state[1]
     _, batch_size, device, names, entries = state
     source = {
-        key: value if isinstance(value, torch.Tensor) else tensordict_from_state(value)
+        key: value
+        if isinstance(value, torch.Tensor)
+        else value.tensor
+        if isinstance(value, TensorBytes)
+        else tensordict_from_state(value)
         for key, value in entries.items()
     }
     return rebuild_tensordict(batch_size, device, names, source)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from . import foreign
 from .deadlines import check_seconds
 from .dispatch import (
     collect_all_to_all,
@@ -28,6 +29,7 @@ from .dispatch import (
     dispatch_dp_compute_data_proto_with_func,
     dispatch_dp_compute_metric,
     dispatch_one_to_all,
+    make_nd_compute_dataproto_dispatch_fn,
 )
 from .futures import DataProtoFuture
 
@@ -321,9 +323,44 @@ class RegisteredMethod:
 
 
 def get_registered_method(func: Any) -> RegisteredMethod | None:
-    """The :class:`RegisteredMethod` of a function or bound method marked by :func:`register`, else ``None``."""
+    """The :class:`RegisteredMethod` of a function or bound method marked by :func:`register`
+    or by verl's own ``register`` (see :func:`_from_verl`), else ``None``."""
     info = getattr(func, _REGISTERED_ATTR, None)
-    return info if isinstance(info, RegisteredMethod) else None
+    if isinstance(info, RegisteredMethod):
+        return info
+    attrs = foreign.verl_register_attrs(func)
+    return None if attrs is None else _from_verl(attrs)
+
+
+def _from_verl(attrs: Mapping[str, Any]) -> RegisteredMethod:
+    """What verl's ``register`` recorded, as daskwg's registration of the same meaning.
+
+    Members map to daskwg's of the same name. verl's ``ALL_TO_ALL`` with
+    ``Execute.RANK_ZERO`` hands rank 0 the arguments exactly as given (verl's
+    ``execute_rank_zero``), which daskwg calls ``ONE_TO_ALL`` (its ``ALL_TO_ALL`` would give
+    rank 0 entry 0 of per-rank lists), as daskwg's own ``Worker.execute_func_rank_zero``.
+    verl's ``make_nd_compute_dataproto_dispatch_fn(mesh)`` becomes daskwg's for the same
+    mesh (verl's functions require verl's own group class); other dict modes are kept.
+    verl records no ``materialize_futures`` (it always materialises).
+
+    Raises:
+        ValueError: a verl member daskwg has no counterpart for.
+    """
+    mode = attrs["dispatch_mode"]
+    if isinstance(mode, Mapping):
+        mesh = foreign.is_verl_nd_dispatch(mode.get("dispatch_fn"))
+        dispatch = make_nd_compute_dataproto_dispatch_fn(mesh) if mesh is not None else dict(mode)
+    else:
+        dispatch = foreign.native_member(mode, Dispatch)
+    execute = foreign.native_member(attrs.get("execute_mode", Execute.ALL), Execute)
+    if execute is Execute.RANK_ZERO and dispatch is Dispatch.ALL_TO_ALL:
+        dispatch = Dispatch.ONE_TO_ALL
+    return RegisteredMethod(
+        dispatch_mode=dispatch,
+        execute_mode=execute,
+        blocking=bool(attrs.get("blocking", True)),
+        materialize_futures=True,
+    )
 
 
 def _materialize_futures(
@@ -348,8 +385,9 @@ def register(
 
     Args:
         dispatch_mode: a :class:`Dispatch` member, or ``{"dispatch_fn": f, "collect_fn": g}``
-            (see :func:`make_nd_compute_dataproto_dispatch_fn`).
-        execute_mode: :class:`Execute` ``ALL`` or ``RANK_ZERO``.
+            (see :func:`make_nd_compute_dataproto_dispatch_fn`); verl's ``Dispatch``
+            members are taken as daskwg's of the same name.
+        execute_mode: :class:`Execute` ``ALL`` or ``RANK_ZERO`` (verl's members too).
         blocking: ``True``: the group call returns the collected result; ``False``: it returns
             futures (a ``DataProtoFuture`` for the ``DP_COMPUTE_PROTO`` family).
         materialize_futures: when the method runs, ``DataProtoFuture`` arguments are replaced
@@ -367,10 +405,13 @@ def register(
         TypeError: an argument has the wrong type (including ``@register`` written without
             parentheses), or a dict mode holds a non-callable.
         ValueError: a dict mode lacks ``dispatch_fn`` or ``collect_fn``; decorating a function
-            that is already registered; ``timeout`` is not a positive number.
+            that is already registered; ``timeout`` is not a positive number; a verl member
+            without daskwg counterpart (``Dispatch.DIRECT_ROLLOUT_METHOD``).
     """
     if callable(dispatch_mode) and not isinstance(dispatch_mode, (Dispatch, Mapping)):
         raise TypeError("register takes arguments: write @register() or @register(dispatch_mode=...)")
+    dispatch_mode = foreign.native_member(dispatch_mode, Dispatch)
+    execute_mode = foreign.native_member(execute_mode, Execute)
     _check_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"execute_mode must be an Execute member, got {type(execute_mode).__name__}")

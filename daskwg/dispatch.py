@@ -21,6 +21,9 @@ Dispatch and collect functions may rely only on ``worker_group.world_size``,
 
 Padding lives in ``daskwg.protocol`` (:func:`~daskwg.protocol.pad_rows`,
 :func:`~daskwg.protocol.unpad_rows`); the group takes it off the collected output.
+
+The batch-splitting and concatenating functions take verl's ``DataProto`` too: they work on
+daskwg's sharing its tensors (``daskwg.foreign``) and hand back verl's class.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from distributed import Future
 from tensordict import TensorDict, TensorDictBase
 
+from . import foreign
 from .errors import ConcatError, DispatchError
 from .futures import DataProtoFuture
 from .protocol import DataProto, concat_tensordicts, pad_rows
@@ -241,13 +245,15 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
 
     ``keep`` selects the outputs to concatenate (all by default). A failed concatenation
     raises :class:`ConcatError` naming the method and the ranks when ``outputs`` is the
-    group's :class:`RankOutputs`.
+    group's :class:`RankOutputs`. verl DataProto outputs are concatenated as daskwg ones
+    (replaced in ``outputs``, which the group gave up) and the result is verl's again.
     """
     method = getattr(outputs, "method", None)
     ranks = getattr(outputs, "ranks", None) or list(range(len(outputs)))
     if keep is not None:
         ranks = [r for r, k in zip(ranks, keep) if k]
         outputs = RankOutputs([o for o, k in zip(outputs, keep) if k], method=method, ranks=ranks)
+    verl_cls = foreign.nativize(outputs)
     if not outputs:
         raise ValueError(f"{mode} has no outputs to collect")
     for kind, concat in (
@@ -260,8 +266,8 @@ def _concat_outputs(mode: str, outputs: list[Any], keep: list[bool] | None = Non
                 break
             try:
                 if kind is DataProto and isinstance(outputs, RankOutputs):
-                    return _concat_releasing(outputs)
-                return concat(list(outputs))
+                    return foreign.from_native(_concat_releasing(outputs), verl_cls)
+                return foreign.from_native(concat(list(outputs)), verl_cls)
             except ConcatError as exc:
                 raise exc.in_call(method or mode, ranks) from None
     kinds = ", ".join(f"rank output {i}: {type(out).__name__}" for i, out in enumerate(outputs))
@@ -351,6 +357,7 @@ def dispatch_dp_compute_data_proto(
             arguments of different lengths, or a batch with no rows.
     """
     mode = "DP_COMPUTE_PROTO"
+    args, kwargs, as_given = foreign.native_arguments(args, kwargs)
     _check_batches(mode, args, kwargs)
     n = worker_group.world_size
     length = _common_length(mode, args, kwargs)
@@ -368,7 +375,7 @@ def dispatch_dp_compute_data_proto(
         key: pad_and_split(f"argument {key!r}", value) for key, value in kwargs.items()
     }
     split_kwargs[PADDING_SIZE_KEY] = pad_size
-    return split_args, split_kwargs
+    return as_given(split_args, split_kwargs)
 
 
 def dispatch_dp_compute_metric(
@@ -405,6 +412,7 @@ def dispatch_dp_compute_data_proto_with_func(
     if not args or not callable(args[0]):
         got = type(args[0]).__name__ if args else "nothing"
         raise DispatchError(f"{mode} expects a callable as first positional argument, got {got}")
+    args, kwargs, as_given = foreign.native_arguments(args, kwargs)
     func, rest = args[0], args[1:]
     _check_batches(mode, rest, kwargs, start=1)
     n = worker_group.world_size
@@ -412,7 +420,7 @@ def dispatch_dp_compute_data_proto_with_func(
         _split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1)
     )
     split_kwargs = {key: _split_batch(f"argument {key!r}", value, n) for key, value in kwargs.items()}
-    return ([func] * n, *split_args), split_kwargs
+    return as_given(([func] * n, *split_args), split_kwargs)
 
 
 def collect_dp_compute_data_proto(worker_group: Any, outputs: list[Any]) -> Any:
@@ -481,6 +489,7 @@ def dispatch_nd_compute_dataproto(
             ranks that do not cover ``0..dp_size-1``.
     """
     mode = f"mesh dispatch {mesh_name!r}"
+    args, kwargs, as_given = foreign.native_arguments(args, kwargs)
     _check_batches(mode, args, kwargs)
     mapping = _lookup_mesh(mesh_name, worker_group, collect=False)
     dp_size = max(mapping) + 1
@@ -491,7 +500,7 @@ def dispatch_nd_compute_dataproto(
 
     split_args = tuple(per_rank(f"positional argument {i}", arg) for i, arg in enumerate(args))
     split_kwargs = {key: per_rank(f"argument {key!r}", value) for key, value in kwargs.items()}
-    return split_args, split_kwargs
+    return as_given(split_args, split_kwargs)
 
 
 def collect_nd_compute_dataproto(mesh_name: str, worker_group: Any, outputs: list[Any]) -> Any:

@@ -14,6 +14,7 @@ __all__ = [
     "ConflictError",
     "ConcatError",
     "MetaInfoConflictError",
+    "BatchDimsError",
     "WorkerPausedError",
     "CallTimeoutError",
 ]
@@ -150,6 +151,14 @@ class GroupBrokenError(WorkerGroupError):
 def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class BatchDimsError(WorkerGroupError, ValueError, AssertionError):
+    """A ``DataProto`` was asked for a number of batch dimensions other than one.
+
+    Raised by ``DataProto.from_dict`` / ``from_tensordict`` for ``num_batch_dims != 1``.
+    Also an ``AssertionError``, what verl raises there, so both kinds of caller catch it.
+    """
 
 
 class ConflictError(WorkerGroupError, ValueError, AssertionError):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from . import foreign
 from .errors import ConcatError
 from .protocol import DataProto, concat_tensordicts, unpad_rows
 
@@ -43,12 +44,15 @@ __all__ = [
 def concat_parts(parts: list) -> Any:
     """Concatenate per-rank outputs: ``DataProto.concat`` or ``torch.cat`` of TensorDicts.
 
-    A single part is returned as it is (no copy).
+    A single part is returned as it is (no copy); verl DataProto parts concatenate as
+    daskwg's and give verl's class back.
     """
     if len(parts) == 1:
         return parts[0]
+    parts = list(parts)
+    verl_cls = foreign.nativize(parts)
     if all(isinstance(p, DataProto) for p in parts):
-        return DataProto.concat(list(parts))
+        return foreign.from_native(DataProto.concat(parts), verl_cls)
     if all(isinstance(p, TensorDictBase) for p in parts):
         return concat_tensordicts(list(parts))
     kinds = sorted({type(p).__name__ for p in parts})
@@ -355,14 +359,17 @@ class DataProtoFuture:
 
 
 def _evaluate_values(plan: tuple, values: list) -> Any:
-    """Evaluate ``plan`` over the parts' values themselves (driver, or a rank that got them)."""
+    """Evaluate ``plan`` over the parts' values themselves (driver, or a rank that got them);
+    over verl DataProto parts, as daskwg's, giving verl's class back."""
+    values = list(values)
+    verl_cls = foreign.nativize(values)
     lengths = [rows_of(v) for v in values]
     metas = [getattr(v, "meta_info", None) for v in values]
 
     def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
         return select_columns(values[part][start:stop], columns)
 
-    return evaluate(plan, lengths, metas, fetch)
+    return foreign.from_native(evaluate(plan, lengths, metas, fetch), verl_cls)
 
 
 def _plan_length(plan: tuple, lengths: list[int]) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import cloudpickle
 from distributed import Client, fire_and_forget
 
-from . import records
+from . import foreign, records
 from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
 from .config import Settings
@@ -31,7 +31,7 @@ from .transport import GroupTransport
 from .wire import RANK_ENV_KEYS
 from .worker import ClassWithInitArgs
 
-__all__ = ["WorkerGroup", "ClassWithInitArgs"]
+__all__ = ["WorkerGroup", "ClassWithInitArgs", "attach_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class WorkerGroup(BoundGroup):
     verl's ``RayWorkerGroup``. A non-detached group that is garbage-collected without
     :meth:`shutdown` releases its ranks, as a Ray actor dies with its last handle.
     """
+
+    #: ``WG_PREFIX`` of verl's rank variables on every rank (``daskwg.verl``'s groups set
+    #: it); ``None``: they are set, with the group's name, only for classes from verl.
+    _verl_prefix: str | None = None
 
     def __init__(
         self,
@@ -164,6 +168,7 @@ class WorkerGroup(BoundGroup):
             {
                 "cls": self._cls_with_init,
                 "env": {
+                    **_verl_env(self, hosts.count(host), hosts[:rank].count(host)),
                     **self._worker_env,
                     "RANK": str(rank),
                     "WORLD_SIZE": str(self.world_size),
@@ -357,25 +362,8 @@ class WorkerGroup(BoundGroup):
         record = records.lookup(client, name)
         if record is None or not record.detached:
             raise ValueError(f"there is no detached group named {name!r} on this cluster")
-        try:
-            pool = ResourcePool(client, workers=list(record.workers))
-        except ValueError:
-            pool = None
-        if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
-            raise GroupBrokenError(
-                f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
-            )
         self = cls.__new__(cls)
-        self._setup(
-            client,
-            cloudpickle.loads(record.cls),
-            name,
-            record.group_id,
-            pool.slots,
-            record.owner,
-            detached=True,
-        )
-        self._master_addr, self._master_port = record.master_addr, record.master_port
+        attach_ranks(self, client, name, record)
         return self
 
     # ---- building and destroying -------------------------------------------------------
@@ -463,6 +451,47 @@ class WorkerGroup(BoundGroup):
 
     def _gather_any(self, futures: list) -> list:
         return self._transport.gather_any(futures)
+
+
+def attach_ranks(self: WorkerGroup, client: Client, name: str, record: records.GroupRecord) -> None:
+    """Make ``self``, a group object not built yet, the group on the live ranks ``record``
+    describes: :meth:`WorkerGroup.attach`, and verl's reattaching (``daskwg.verl``), which
+    takes groups not built detached too.
+
+    Raises:
+        GroupBrokenError: one of its workers has left or restarted since.
+    """
+    try:
+        pool = ResourcePool(client, workers=list(record.workers))
+    except ValueError:
+        pool = None
+    if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
+        raise GroupBrokenError(
+            f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
+        )
+    self._setup(
+        client,
+        cloudpickle.loads(record.cls),
+        name,
+        record.group_id,
+        pool.slots,
+        record.owner,
+        detached=record.detached,
+    )
+    self._master_addr, self._master_port = record.master_addr, record.master_port
+
+
+def _verl_env(group: WorkerGroup, local_world_size: int, local_rank: int) -> dict[str, str]:
+    """The variables verl's ``RayWorkerGroup`` sets on a rank (``WG_PREFIX``, ...), for groups
+    with a ``_verl_prefix`` or whose class (or a colocated role) comes from verl;
+    ``worker_env`` may override them on a :class:`WorkerGroup`."""
+    prefix = group._verl_prefix
+    if prefix is None:
+        classes = [group._cls, *(group._role_classes or {}).values()]
+        if not any(foreign.is_verl_class(c) for c in classes):
+            return {}
+        prefix = group._name
+    return foreign.verl_rank_env(prefix, local_world_size, local_rank)
 
 
 def _release_dropped_group(transports: list, metadata_key: list) -> None:

@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import codec
-from .errors import ConcatError, ConflictError, MetaInfoConflictError
+from .errors import BatchDimsError, ConcatError, ConflictError, MetaInfoConflictError
 
 __all__ = [
     "DataProto",
@@ -297,7 +297,11 @@ def _check_union_arrays(d1: dict[str, Any], d2: dict[str, Any], what: str) -> No
                     f"{what} {key!r} of the {side} side is a {type(array).__name__}, not a numpy array"
                 )
         if not _values_equal(d1[key], value):
-            raise ConflictError(f"cannot union: {what} {key!r} differs between the two sides")
+            # The first sentence is verl's (union_numpy_dict), which callers match on.
+            raise ConflictError(
+                f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object. "
+                f"Cannot union: {what} {key!r} differs between the two sides"
+            )
 
 
 # ------------------------------------------------------------- zero-copy pickling
@@ -366,11 +370,12 @@ class DataProto:
             DataProto with ``len == N`` (``batch`` is ``None`` when ``tensors`` is empty).
 
         Raises:
-            ValueError: tensors disagree on ``N``, ``num_batch_dims != 1``, or lengths differ.
+            BatchDimsError: ``num_batch_dims != 1`` (a ``ValueError`` and an ``AssertionError``).
+            ValueError: tensors disagree on ``N``, or lengths differ.
             TypeError: a non-tensor value is not an array or sequence.
         """
         if num_batch_dims != 1:
-            raise ValueError(
+            raise BatchDimsError(
                 f"DataProto has exactly one batch dimension, got num_batch_dims={num_batch_dims}; "
                 "build it with one batch dim and use fold_batch_dim to group rows"
             )
@@ -1221,14 +1226,15 @@ class DataProto:
 
         Raises:
             TypeError: ``tensor_dict`` is not a TensorDict.
-            ValueError: ``num_batch_dims != 1`` or the TensorDict has no batch dimension.
+            BatchDimsError: ``num_batch_dims != 1`` (a ``ValueError`` and an ``AssertionError``).
+            ValueError: the TensorDict has no batch dimension.
         """
         from tensordict import NonTensorData, NonTensorStack
 
         if not isinstance(tensor_dict, TensorDictBase):
             raise TypeError(f"from_tensordict takes a TensorDict, got {type(tensor_dict).__name__}")
         if num_batch_dims != 1:
-            raise ValueError(
+            raise BatchDimsError(
                 f"DataProto has exactly one batch dimension, got num_batch_dims={num_batch_dims}"
             )
         if tensor_dict.batch_dims < 1:
@@ -1377,8 +1383,9 @@ def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any,
 def unpad_rows(value: Any, pad_size: int) -> Any:
     """``value`` without its last ``pad_size`` rows (what :func:`pad_rows` added).
 
-    A DataProto goes through :func:`unpad_dataproto`, a TensorDict is sliced, and an object
-    with an ``unpad`` method (a ``DataProtoFuture``) drops them when it is materialised.
+    A DataProto goes through :func:`unpad_dataproto`, a TensorDict is sliced, an object
+    with an ``unpad`` method (a ``DataProtoFuture``) drops them when it is materialised,
+    and any other batch (verl's ``DataProto``) is sliced with its own ``[:n]``.
     """
     if not pad_size:
         return value
@@ -1386,7 +1393,9 @@ def unpad_rows(value: Any, pad_size: int) -> Any:
         return unpad_dataproto(value, pad_size)
     if isinstance(value, TensorDictBase):
         return value[: int(value.batch_size[0]) - pad_size]
-    return value.unpad(pad_size)
+    if hasattr(value, "unpad"):
+        return value.unpad(pad_size)
+    return value[: len(value) - pad_size]
 
 
 def _type_info(value: Any) -> str:

@@ -67,6 +67,9 @@ class RoleGroup(BoundGroup):
     def _check_usable(self, method_name: str) -> None:
         self._parent._check_usable(f"{self._role}_{method_name}")
 
+    def _dispatch_fns(self, registered: Any) -> dict[str, Any]:
+        return self._parent._dispatch_fns(registered)
+
     def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
         return self._parent._deliver(f"{self._role}_{method_name}", ranks, payloads, **options)
 

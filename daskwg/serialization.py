@@ -42,7 +42,7 @@ from distributed.protocol import to_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 from tensordict import TensorDict, TensorDictBase
 
-from . import codec
+from . import codec, foreign
 from .protocol import DataProto
 
 __all__ = [
@@ -104,11 +104,17 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
         device = None if obj.device is None else str(obj.device)
         names = obj.names if obj._has_names() else None
         return codec.rebuild_tensordict, (tuple(obj.batch_size), device, names, entries)
-    if isinstance(obj, DataProto):
+    if isinstance(obj, DataProto) or _is_verl_dataproto(kind, obj):
         return _rebuild_dataproto, (kind, obj.batch, obj.non_tensor_batch, obj.meta_info)
     if kind is np.ndarray and private is not None and obj.dtype != object and id(obj) not in private:
         return obj.copy().__reduce_ex__(5)
     return NotImplemented
+
+
+def _is_verl_dataproto(kind: type, obj: Any) -> bool:
+    """verl's DataProto pickles as daskwg's does (its own pickling copies the batch through
+    ``torch.save``); the name is compared first, since every pickled object passes here."""
+    return kind.__name__ == "DataProto" and foreign.is_verl_dataproto(obj)
 
 
 class _Pickler(pickle.Pickler):
@@ -166,12 +172,20 @@ def _dump(obj: Any, private: set[int] | None, out_of_band: bool = True) -> Packe
                     raise
                 continue
             header = f.getvalue()
-            if pickler is _Pickler and b"__main__" in header:
-                continue  # by-reference pickles of __main__ objects do not load elsewhere
+            if pickler is _Pickler and _names_by_value_module(header):
+                continue  # by-reference pickles of these objects do not load elsewhere
             return Packed(header, [b.raw() for b in buffers])
     finally:
         _packing.reset(token)
     raise AssertionError("unreachable")
+
+
+def _names_by_value_module(header: bytes) -> bool:
+    """Whether a by-reference pickle names ``__main__`` or a module registered with
+    ``cloudpickle.register_pickle_by_value``, whose objects cloudpickle sends by value."""
+    return b"__main__" in header or any(
+        name.encode() in header for name in cloudpickle.list_registry_pickle_by_value()
+    )
 
 
 def dumps(obj: Any) -> Packed:
@@ -274,7 +288,7 @@ def _owned(
     elif type(x) is TensorDict:
         for item in x._tensordict.values():
             _owned(item, _CHILD_REFS["td"], alone, private, extra)
-    elif isinstance(x, DataProto):
+    elif isinstance(x, DataProto) or _is_verl_dataproto(type(x), x):
         for item in (x.batch, x.non_tensor_batch, x.meta_info):
             _owned(item, _CHILD_REFS["dp"], alone, private, extra)
 
@@ -430,6 +444,12 @@ def install() -> None:
     sizeof.register(TensorDictBase)(_sizeof_tensordict)
     sizeof.register(DataProto)(_sizeof_dataproto)
     sizeof.register(Packed)(lambda p: p.nbytes)
+
+    @sizeof.register_lazy("verl")
+    def _register_verl() -> None:  # run by Dask the first time it sizes an object of verl's
+        verl_dataproto = foreign.dataproto_class()
+        if verl_dataproto is not None:
+            sizeof.register(verl_dataproto)(_sizeof_dataproto)
 
 
 # Placeholders while _calibrate walks its probes; replaced by the measured counts.

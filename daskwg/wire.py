@@ -136,12 +136,16 @@ class PartInfo:
         key: its Dask key there.
         rows: its number of rows (padding included).
         meta_info: its ``meta_info`` (``None`` for a TensorDict part).
+        dataproto_class: ``"module:qualname"`` of the part's class when it is a DataProto
+            other than daskwg's (verl's ``"verl.protocol:DataProto"``); a consumer gets that
+            class back where it is loaded.
     """
 
     address: str
     key: str
     rows: int
     meta_info: dict | None
+    dataproto_class: str | None = None
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

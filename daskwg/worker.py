@@ -15,7 +15,9 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import foreign
 from .decorator import Dispatch, Execute, register
+from .errors import ConflictError
 
 __all__ = ["ClassWithInitArgs", "DistGlobalInfo", "DistRankInfo", "Worker"]
 
@@ -308,12 +310,15 @@ class Worker:
         (verl takes the last entry of each dict.)
 
         Raises:
-            ValueError: ``mesh_name`` is already registered here, or the mappings are empty
+            ConflictError: ``mesh_name`` is already registered here (a ``ValueError`` and, as
+                in verl, an ``AssertionError``).
+            ValueError: the mappings are empty
                 or hold several meshes none of which is ``mesh_name``.
         """
         dispatch, collect = self._state("_dispatch_dp_rank"), self._state("_collect_dp_rank")
         if mesh_name in dispatch or mesh_name in collect:
-            raise ValueError(
+            # Also an AssertionError: verl asserts here.
+            raise ConflictError(
                 f"mesh {mesh_name!r} is already registered on rank {self.rank} (registered: {sorted(dispatch)})"
             )
 
@@ -358,7 +363,8 @@ class ClassWithInitArgs:
 
     Args:
         cls: the user's Worker subclass (any class works; subclass :class:`daskwg.Worker`
-            to get the rank environment as attributes).
+            or verl's ``Worker`` to get the rank environment as attributes). A
+            ``@ray.remote`` class is unwrapped to the class it decorates.
         *args: passed to ``cls(*args, **kwargs)`` on every rank, pickled (cloudpickle)
             once per rank.
         **kwargs: as ``args``.
@@ -367,6 +373,7 @@ class ClassWithInitArgs:
     """
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any):
+        cls = foreign.unwrap_ray_remote(cls)
         if not isinstance(cls, type):
             raise TypeError(f"ClassWithInitArgs needs a class, got {type(cls).__name__}")
         self.cls = cls

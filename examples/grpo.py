@@ -104,9 +104,10 @@ ANSWER_TOKENS = 11  # what the policy emits: digits 0-9 and <eos> (index 10 stan
 MAX_RESPONSE_LEN = 3  # two digits and <eos>
 
 
-def make_prompts(n_prompts: int, step: int, seed: int) -> DataProto:
+def make_prompts(n_prompts: int, step: int, seed: int, dataproto: type = DataProto) -> DataProto:
     """The prompts of one step, the same for a given ``(seed, step)`` (so a resumed run
-    sees the prompts the interrupted one would have).
+    sees the prompts the interrupted one would have), as a ``dataproto`` (daskwg's, or
+    verl's in ``grpo_verl.py``).
 
     Returns:
         DataProto with ``prompts`` [n, 4] int64 (``a + b =``), ``ground_truth`` [n] int64
@@ -117,7 +118,7 @@ def make_prompts(n_prompts: int, step: int, seed: int) -> DataProto:
     b = torch.randint(0, 10, (n_prompts,), generator=generator)
     prompts = torch.stack([a, torch.full_like(a, PLUS), b, torch.full_like(a, EQUALS)], dim=1)
     uid = step * n_prompts + torch.arange(n_prompts)
-    return DataProto.from_dict({"prompts": prompts, "ground_truth": a + b, "uid": uid})
+    return dataproto.from_dict({"prompts": prompts, "ground_truth": a + b, "uid": uid})
 
 
 def score_responses(
@@ -232,12 +233,13 @@ def _with(data: DataProto, **tensors: torch.Tensor) -> DataProto:
     """``data`` plus new tensor keys, as a new DataProto.
 
     The input may be the very object the worker keeps as an earlier call's result (a
-    same-rank DataProtoFuture resolves to it), so it is not changed in place.
+    same-rank DataProtoFuture resolves to it), so it is not changed in place. The result
+    has the input's class (verl's ``DataProto`` in ``grpo_verl.py``).
     """
     batch = data.batch.clone(recurse=False)
     for key, value in tensors.items():
         batch[key] = value
-    return DataProto(
+    return type(data)(
         batch=batch, non_tensor_batch=dict(data.non_tensor_batch), meta_info=dict(data.meta_info)
     )
 
@@ -515,6 +517,7 @@ class Groups:
     actor: daskwg.WorkerGroup
     rollout: daskwg.WorkerGroup
     backend: str = "gloo"
+    dataproto: type = DataProto  # the batches the driver sends (verl's in grpo_verl.py)
 
     @property
     def split(self) -> bool:
@@ -546,11 +549,16 @@ class Groups:
             group.shutdown()
 
 
-def build_groups(client, args: argparse.Namespace) -> Groups:
-    """The groups of ``args.placement`` on the cluster's workers, models initialised."""
-    config = GRPOConfig(
+def grpo_config(args: argparse.Namespace) -> GRPOConfig:
+    """The :class:`GRPOConfig` of the command line."""
+    return GRPOConfig(
         hidden=args.hidden, lr=args.lr, kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, seed=args.seed
     )
+
+
+def build_groups(client, args: argparse.Namespace) -> Groups:
+    """The groups of ``args.placement`` on the cluster's workers, models initialised."""
+    config = grpo_config(args)
     if args.placement == "colocated":
         hybrid = daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "actor_rollout_ref", config)
         wg = daskwg.WorkerGroup(client, hybrid, world_size=args.world_size)
@@ -572,7 +580,7 @@ def build_groups(client, args: argparse.Namespace) -> Groups:
     return groups
 
 
-def rebuild_groups(client, groups: Groups, args: argparse.Namespace) -> Groups:
+def rebuild_groups(client, groups: Groups, args: argparse.Namespace, build=build_groups) -> Groups:
     """New groups after a lost worker: drop the broken ones, wait until the lost worker's
     nanny has restarted it and the surviving ranks have left the broken collective (their
     process group's timeout), then build and initialise the groups again.
@@ -590,7 +598,7 @@ def rebuild_groups(client, groups: Groups, args: argparse.Namespace) -> Groups:
             # scheduler's full worker info ten times a second, into the driver's bytes.
             if len(client.nthreads()) < needed:
                 raise TimeoutError(f"{len(client.nthreads())} of {needed} workers are up")
-            return build_groups(client, args)
+            return build(client, args)
         except (WorkerGroupError, TimeoutError, OSError) as exc:
             # A surviving rank is still in the broken collective (GroupBrokenError), or
             # the restarted worker is not up yet: try again until the deadline.
@@ -687,7 +695,7 @@ def run_step(
     Only the prompts leave the driver and only the metrics come back: every other call
     returns a ``DataProtoFuture`` that the next call consumes on the workers.
     """
-    prompts = make_prompts(args.prompts_per_step, step, args.seed)
+    prompts = make_prompts(args.prompts_per_step, step, args.seed, groups.dataproto)
     prompts.meta_info.update(n=args.n, step=step)
     batch = groups.rollout.generate_sequences(prompts)
     # Switch point (issue 9): with lazy union/select, each call returns only its new keys
@@ -739,10 +747,11 @@ def restore(groups: Groups, args: argparse.Namespace) -> int:
     return step
 
 
-def fit(client, args: argparse.Namespace) -> int:
+def fit(client, args: argparse.Namespace, build=build_groups) -> int:
+    """Train (verl's ``RayPPOTrainer.fit``) on the groups ``build(client, args)``; returns the exit status."""
     from tqdm import tqdm
 
-    groups = build_groups(client, args)
+    groups = build(client, args)
     history = History()
     step = 0
     if args.resume:
@@ -780,7 +789,7 @@ def fit(client, args: argparse.Namespace) -> int:
                 if len(history.restarts) >= args.max_restarts or not caused_by_lost_worker(groups, exc):
                     raise
                 bar.write(f"step {step + 1}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-                groups = rebuild_groups(client, groups, args)
+                groups = rebuild_groups(client, groups, args, build)
                 step = restore(groups, args)
                 history.metrics = history.metrics[:step]
                 history.restarts.append(step)

@@ -9,8 +9,11 @@ responsive; every asserted ratio is the issue's.
 from __future__ import annotations
 
 import pickle
+import sys
+import types
 import warnings
 
+import cloudpickle
 import numpy as np
 import pytest
 import torch
@@ -267,6 +270,21 @@ def test_snapshot_copies_only_tensors_something_else_can_change():
     packed = serialization.snapshot(result)
     kept.add_(1)
     assert serialization.loads(packed)[0].tolist() == [1.0] * 16
+
+
+def test_objects_of_a_module_registered_by_value_travel_by_value():
+    """``cloudpickle.register_pickle_by_value(module)``: workers that cannot import the
+    module (a script's helper module) still load its objects."""
+    module = types.ModuleType("daskwg_by_value_probe")
+    exec("class Point:\n    def __init__(self, x):\n        self.x = x\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        packed = serialization.dumps(module.Point(3))
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules[module.__name__]
+    assert serialization.loads(packed).x == 3  # loads without the module
 
 
 def test_a_method_returning_its_received_argument_costs_no_copy():

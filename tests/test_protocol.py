@@ -7,6 +7,7 @@ file is tests/test_verl_protocol.py.
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import numpy as np
@@ -1067,6 +1068,14 @@ def test_pickle_of_dataproto_without_tensors():
     assert loaded.batch is None
     assert loaded.non_tensor_batch["x"].tolist() == [[1, 2], [3, 4]]
     assert loaded.meta_info == {"m": 1}
+
+
+def test_shallow_copy_of_dataproto_shares_its_tensors():
+    """``copy.copy`` passes ``__getstate__``'s state to ``__setstate__`` without pickling it."""
+    data = DataProto.from_dict(tensors={"x": torch.arange(3)}, meta_info={"m": 1})
+    copied = copy.copy(data)
+    assert copied.batch["x"] is data.batch["x"]
+    assert copied.meta_info == {"m": 1}
 
 
 def test_pickle_of_read_only_buffers_gives_writable_tensors():

@@ -20,7 +20,7 @@ from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
 
-from .. import serialization
+from .. import foreign, serialization
 from ..errors import GroupBrokenError
 from ..futures import evaluate, rows_of, select_columns
 from ..protocol import DataProto
@@ -29,8 +29,14 @@ from ..wire import PartInfo
 __all__ = ["part_info", "evaluate_on_worker", "install"]
 
 
-def _value(stored: Any) -> Any:
+def _stored(stored: Any) -> Any:
     return serialization.loads(stored) if isinstance(stored, serialization.Packed) else stored
+
+
+def _value(stored: Any) -> Any:
+    """A stored part's value; a verl DataProto as daskwg's (sharing its tensors)."""
+    value = _stored(stored)
+    return foreign.to_native(value) if foreign.is_verl_dataproto(value) else value
 
 
 def part_info(value: Any, key: str) -> PartInfo:
@@ -41,9 +47,11 @@ def part_info(value: Any, key: str) -> PartInfo:
         value: the part (a ``DataProto`` or ``TensorDict``, or its snapshot).
         key: the part's Dask key.
     """
-    value = _value(value)
+    value = _stored(value)
+    foreign_class = foreign.class_name(type(value)) if foreign.is_verl_dataproto(value) else None
+    value = foreign.to_native(value) if foreign_class is not None else value
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
-    return PartInfo(get_worker().address, key, rows_of(value), meta)
+    return PartInfo(get_worker().address, key, rows_of(value), meta, foreign_class)
 
 
 def _slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
@@ -88,6 +96,9 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
         infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
 
+    Returns:
+        a daskwg ``DataProto`` or ``TensorDict``; verl's ``DataProto`` when every part is one.
+
     Runs on the host thread of the consuming worker; fetches go through that
     worker's event loop and connection pool (its TLS settings included).
 
@@ -113,7 +124,11 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
         )
         return _value(response["data"])
 
-    return evaluate(plan, [i.rows for i in infos], [i.meta_info for i in infos], fetch)
+    value = evaluate(plan, [i.rows for i in infos], [i.meta_info for i in infos], fetch)
+    # All parts verl's: verl's class again (loaded here when the consuming class is verl's).
+    names = {i.dataproto_class for i in infos}
+    cls = foreign.loaded_class(names.pop()) if len(names) == 1 and None not in names else None
+    return foreign.from_native(value, cls)
 
 
 async def _local_slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
