@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -105,6 +106,7 @@ def partition_figures(net: MultiHost, scheduler: str, driver, outage: float) -> 
         open(os.path.join(flags, mode), "w").close()
     for d in drivers.values():
         d.close()
+    shutil.rmtree(flags, ignore_errors=True)
     time.sleep(20)  # the time Dask's workers and nannies take to decide
     names = driver.call("worker_names")
     print(f"workers 20 s after h2's link came back: {names}", flush=True)

@@ -3,9 +3,10 @@ one ``Client`` to the scheduler and runs named scenarios on request.
 
 Run as ``python multihost_driver.py <scheduler address>`` (``MultiHost.start_driver``
 does it in a host). Protocol (one JSON object per line; see ``multihost.Driver``): stdin
-``{"run": name, "args": {...}}`` starts scenario ``name``, ``{"signal": name, ...}``
-answers a scenario's ``ctl.wait(name)``; stdout ``@@multihost {...}`` lines carry
-``{"event": ...}`` while it runs, then ``{"result": ...}`` or ``{"error": ...}``.
+``{"run": name, "args": {...}, "id": n}`` starts scenario ``name`` as run ``n``,
+``{"signal": name, "id": n, ...}`` answers that run's ``ctl.wait(name)``; stdout
+``@@multihost {...}`` lines carry ``{"event": ...}`` while it runs, then ``{"result":
+...}`` or ``{"error": ...}``, each with the run's ``id``. Runs are taken one at a time.
 
 Scenarios return what they measured (JSON): the pytest process asserts on it. Errors a
 scenario expects are part of its result, as ``{"type", "message", "seconds"}``.
@@ -57,7 +58,7 @@ class Control:
     def event(self, name: str, **data: Any) -> None:
         emit({"event": name, **data, "id": self.run_id})
 
-    def wait(self, name: str, timeout: float = 120.0) -> dict:
+    def wait(self, name: str, timeout: float = 300.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -136,6 +136,12 @@ def test_namespaces_left_by_a_killed_run_are_removed_with_their_processes(can_bu
     os.makedirs(f"/etc/netns/{stale}", exist_ok=True)
     leftover = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "60"])
     try:
+        deadline = time.monotonic() + 20
+        while not subprocess.run(
+            ["ip", "netns", "pids", stale], capture_output=True, text=True
+        ).stdout.strip():
+            assert time.monotonic() < deadline, "the leftover process did not enter its namespace"
+            time.sleep(0.05)
         with MultiHost(["h0"], subnet="10.200.24", prefix=prefix) as live:  # start() cleans up
             assert leftover.wait(timeout=20) == -9
             listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
