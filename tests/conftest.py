@@ -22,6 +22,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Nanny for good, and the restart would wait for a worker that never comes back.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
+_FIGURES = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def figure(pytestconfig):
+    """``figure(text)``: print a measured figure and list it again at the end of the run
+    (measurements are printed, never asserted)."""
+    lines = pytestconfig.stash.setdefault(_FIGURES, [])
+
+    def record(text: str) -> None:
+        print(text)
+        lines.append(text)
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = config.stash.get(_FIGURES, [])
+    if lines:
+        terminalreporter.write_sep("-", "measured figures")
+        for line in lines:
+            terminalreporter.write_line(line)
+
 
 def process_cluster(n_workers: int, **kwargs) -> LocalCluster:
     """A LocalCluster of ``n_workers`` processes with one thread each, dashboards on free ports."""
