@@ -79,12 +79,12 @@ ROW_REPS = {
     "chain6": 30,
     "seq8": 40,
     "dp64": 5,
-    "reshard": 5,
-    "broadcast": 3,
-    "weights": 3,
-    "union": 5,
-    "roundtrip": 5,
-    "view": 2,  # verl returns the whole 1 GiB tensor behind a view: seconds per call
+    "reshard": 4,
+    "broadcast": 2,  # daskwg: seconds per 256 MiB broadcast on 2 cores
+    "weights": 2,  # ... per route and case
+    "union": 4,
+    "roundtrip": 4,
+    "view": 1,  # verl returns the whole 1 GiB tensor behind a view: seconds per call
 }
 ONCE = ("timings", "rss")  # measured once, after the runs
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
@@ -1838,14 +1838,17 @@ def write_report(path: str, report: str, verdicts: dict, versions: dict, mach: d
 
 
 def spawn(args: list[str]) -> dict:
+    """Run this script with ``args`` in a fresh subprocess and return what it wrote."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
+    t = time.perf_counter()
     try:
         subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--out", out], check=True)
         with open(out) as f:
             return json.load(f)
     finally:
         os.unlink(out)
+        print(f"[bench]   ({time.perf_counter() - t:.0f} s)", flush=True)
 
 
 ALL_ROWS = (*ROW_FUNCTIONS, *ONCE)
