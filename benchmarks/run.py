@@ -1560,7 +1560,7 @@ def _weights_table(runs: list[dict], floors: list[dict]) -> tuple[str, dict]:
     verdicts = {}
     p2p = [fl.get("p2p") for fl in floors]
     lines = [
-        f"| weight sync, {fmt_b(WEIGHT_BYTES)} | route | time | ÷ one p2p transfer | ÷ verl's Ray route | "
+        f"| weight sync, {WEIGHT_BYTES // MB} MiB | route | time | ÷ one p2p transfer | ÷ verl's Ray route | "
         "egress ÷ weights: trainer ranks; driver process | spread | met (≤ 1.5× p2p, egress ≤ 1.25×) |",
         "|---|---|---|---|---|---|---|---|",
     ]
