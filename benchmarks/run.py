@@ -1,13 +1,26 @@
 """daskwg vs verl's RayWorkerGroup, side by side, on this machine.
 
-    python benchmarks/run.py                              # print the table
+    python benchmarks/run.py                              # print the tables
     python benchmarks/run.py --write docs/performance.md  # and write the report
+    python benchmarks/run.py --rows weights,broadcast     # only some rows (see --help)
 
-The same worker logic (:func:`make_worker_class`) is registered with each system's own
-``Worker``/``register``/``Dispatch`` and driven with the same calls. Each system runs
-in its own driver subprocess (``--child daskwg|verl``), and the peak-RSS measurement
-gets one more fresh subprocess per system (``--child X --rss``), so neither
-system's imports, threads or memory affect the other's numbers.
+The same worker logic (:func:`make_worker_class`, :func:`make_rows_class`) is registered
+with each system's own ``Worker``/``register``/``Dispatch`` and driven with the same
+calls. Each system runs in its own driver subprocess (``--child daskwg|verl``), and the
+peak-RSS measurement gets one more fresh subprocess per system (``--child X --rss``),
+so neither system's imports, threads or memory affect the other's numbers.
+
+Two kinds of sections:
+
+* **Rows measured in several runs** (``--runs``, default 3): the per-call rows, the data
+  plane, broadcast and weight sync (:func:`run_rows_child`, 6 Dask workers / Ray
+  actors), each run with a fresh driver subprocess per system and the physical floors
+  of this machine measured in a subprocess of their own in the same run
+  (``benchmarks/floors.py``). Ratios are computed per run (daskwg ÷ verl and daskwg ÷
+  floor) and reported run by run, with the load average at the start and end of each
+  run.
+* **Rows measured once** (``timings``: round trips at 1, 2, 4 ranks, the A→B chain,
+  group creation; ``rss``: driver memory), after the runs.
 
 How "bytes through the driver" is measured: before and after the call, the driver sums
 ``tcpi_bytes_received`` and ``tcpi_bytes_acked`` (Linux ``TCP_INFO``) over every TCP
@@ -15,7 +28,9 @@ socket it owns (``psutil.Process().net_connections()`` gives the file descriptor
 These are the kernel's per-socket byte counters, so they count everything the driver
 received or sent whatever library did it (Dask's comm, Ray's gRPC). Ray can also move
 objects to a same-host process through shared memory, which no socket counter sees, so
-the driver's RSS growth during the call is reported next to it.
+the driver's RSS growth during the call is reported next to it. A rank's process is
+measured the same way by a method of the rank itself (``net``), which is how the
+source egress of a broadcast or weight sync is counted.
 """
 
 from __future__ import annotations
@@ -43,16 +58,41 @@ SHAPES = {"1024x16": (1024, 16), "4096x4096": (4096, 4096), "16384x4096": (16384
 CHAIN_ROWS = 4096  # group A produces [4096, 4096] float32 = 67 MB
 RANKS = (1, 2, 4)
 
-# Repetitions per measurement (after one warm-up call). Sized so that the whole
-# run, both systems, stays well under 15 minutes on 2 cores.
+# Repetitions per measurement of the once-measured sections (after one warm-up call).
+# verl's 256 MiB round trips (seconds each) and group creations (an actor process per
+# rank) are most of their time.
 REPS = {
-    "latency": 200,
-    "1024x16": 40,
-    "4096x4096": 7,
-    "16384x4096": 3,
+    "latency": 100,
+    "1024x16": 20,
+    "4096x4096": 5,
+    "16384x4096": 2,
     "chain": 5,
-    "create": 3,
+    "create": 2,
 }
+
+# The rows measured in every run (--rows picks a subset), each a key of ROW_REPS:
+# repetitions per run, after one warm-up. Sized so that the default `tox -e bench`
+# (3 runs plus the once-measured sections) stays under about 15 minutes on 2 cores.
+ROW_REPS = {
+    "one_to_all": 200,
+    "nonblocking": 100,
+    "chain6": 30,
+    "seq8": 40,
+    "dp64": 5,
+    "reshard": 4,
+    "broadcast": 2,  # daskwg: seconds per 256 MiB broadcast on 2 cores
+    "weights": 2,  # ... per route and case
+    "union": 4,
+    "roundtrip": 4,
+    "view": 1,  # verl returns the whole 1 GiB tensor behind a view: seconds per call
+}
+ONCE = ("timings", "rss")  # measured once, after the runs
+PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
+ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
+TINY_ROWS = 16  # rows of the tiny batch of the 6-call chain
+SEQ_CALLS = 8  # calls per sequence of the seq8 row
+WEIGHT_BYTES = 256 * MB  # the state dict of the broadcast and weight-sync rows
+WEIGHT_TENSORS = 32  # ... as this many float32 tensors of 8 MiB
 
 
 # ----------------------------------------------------------------------- worker logic
@@ -139,6 +179,117 @@ def make_plane_class(Worker: type, register: Any, Dispatch: Any, DataProto: type
     return PlaneWorker
 
 
+def make_rows_class(Worker: type, register: Any, Dispatch: Any, DataProto: type, Execute: Any) -> type:
+    """The worker of the rows measured in every run, on one system's API.
+
+    It extends the data-plane worker (:func:`make_plane_class`) with tiny calls, the
+    6 stages of an RL step, a per-rank counter for call sequences and a state dict
+    that a trainer rank hands out and rollout ranks load.
+    """
+    import torch
+
+    def grow(data, **cols):
+        # Each stage returns what it received plus its own column, as verl's trainer
+        # unions stage outputs into the batch.
+        tensors = {k: data.batch[k] for k in data.batch.keys()}
+        tensors.update(cols)
+        return DataProto.from_dict(tensors=tensors)
+
+    class RowsWorker(make_plane_class(Worker, register, Dispatch, DataProto)):
+        def __init__(self):
+            super().__init__()
+            self.weights = None
+            self.loaded = None
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def echo(self, x):
+            return x
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        def echo_nonblocking(self, x):
+            return x
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE)
+        def tick(self, x):
+            return x + 1
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+        def inplace(self, data):
+            data.batch["x"].add_(1.0)
+            return data
+
+        # -- an RL step of 6 calls, tiny data, each taking the previous call's future --
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def generate(self, data):
+            return grow(data, responses=data.batch["prompts"] + 1.0)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def reward(self, data):
+            return grow(data, scores=data.batch["responses"].sum(-1))
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def advantage(self, data):
+            return grow(data, advantages=data.batch["scores"] * 0.5)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def log_prob(self, data):
+            return grow(data, old_log_probs=data.batch["responses"] * -0.01)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def ref_log_prob(self, data):
+            return grow(data, ref_log_probs=data.batch["responses"] * -0.02)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def update(self, data):
+            b = data.batch
+            loss = (b["advantages"][:, None] * (b["old_log_probs"] - b["ref_log_probs"])).sum(-1)
+            return DataProto.from_dict(tensors={"loss": loss})
+
+        # -- weights: a trainer's state dict, rollout ranks loading it --
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def net(self):
+            return tcp_bytes()
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def init_weights(self, nbytes, tensors):
+            per = nbytes // tensors // 4
+            self.weights = {f"layer{i}.weight": torch.zeros(per) for i in range(tensors)}
+            return nbytes
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def bump(self, version):
+            # A new version in place, as an optimizer step updates parameters in place.
+            for t in self.weights.values():
+                t[0] = version
+                t[-1] = version
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+        def get_weights(self):
+            from tensordict import TensorDict
+
+            return TensorDict(self.weights, batch_size=[])
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def load_weights(self, weights):
+            from tensordict import TensorDictBase
+
+            if not isinstance(weights, TensorDictBase):
+                kind = type(weights)
+                raise TypeError(f"load_weights got a {kind.__module__}.{kind.__name__}, not a TensorDict")
+            versions = {float(t[0]) for t in weights.values()} | {float(t[-1]) for t in weights.values()}
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            self.loaded = weights
+            return (versions.pop() if len(versions) == 1 else None, nbytes)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def drop(self):
+            self.weights = self.loaded = self.big = None
+
+    return RowsWorker
+
+
 # ----------------------------------------------------------------------- measuring
 
 
@@ -211,7 +362,7 @@ def timeit(fn, reps: int) -> list[float]:
 class DaskSystem:
     name = "daskwg"
 
-    def start(self, n_workers: int) -> None:
+    def start(self, n_workers: int, slots: int | None = None) -> None:
         import dask
         from distributed import Client
 
@@ -231,7 +382,28 @@ class DaskSystem:
 
     def api(self) -> tuple:
         d = self.daskwg
-        return d.Worker, d.register, d.Dispatch, d.DataProto
+        return d.Worker, d.register, d.Dispatch, d.DataProto, d.Execute
+
+    def gather(self, futures: Any) -> Any:
+        """``daskwg.get`` where this daskwg has it (Ray's ``ray.get``), else Dask's gather."""
+        get = getattr(self.daskwg, "get", None)
+        return get(futures) if get is not None else self.client.gather(futures)
+
+    def wait(self, futures: list) -> None:
+        from distributed import wait
+
+        wait(futures)
+
+    def rows_pools(self) -> dict:
+        """A 4-rank and a 2-rank pool on different workers, a 1-rank pool on the
+        2-rank pool's first worker and a 2-rank pool on the 4-rank pool's first two."""
+        p4, p2 = self.daskwg.ResourcePool(self.client, world_size=ROWS_WORKERS).split([4, 2])
+        return {
+            "g4": p4,
+            "g2": p2,
+            "g1": self.daskwg.ResourcePool(self.client, workers=p2.workers[:1]),
+            "c2": self.daskwg.ResourcePool(self.client, workers=p4.workers[:2]),
+        }
 
     def split_pool(self, sizes: list[int]):
         pools = self.daskwg.ResourcePool(self.client, world_size=sum(sizes)).split(sizes)
@@ -269,17 +441,23 @@ class DaskSystem:
 class VerlSystem:
     name = "verl"
 
-    def start(self, n_workers: int) -> None:
+    def start(self, n_workers: int, slots: int | None = None) -> None:
         import ray
 
-        # verl's RayResourcePool reserves max_colocate_count (10) logical CPUs per rank.
-        ray.init(num_cpus=10 * n_workers, include_dashboard=False, log_to_driver=False, logging_level="error")
+        # verl's RayResourcePool reserves max_colocate_count (10) logical CPUs per rank;
+        # ``slots``: how many ranks may exist at once (default ``n_workers``).
+        ray.init(
+            num_cpus=10 * (slots or n_workers),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="error",
+        )
         from verl import DataProto
         from verl.single_controller.base import Worker
-        from verl.single_controller.base.decorator import Dispatch, register
+        from verl.single_controller.base.decorator import Dispatch, Execute, register
 
         self.ray = ray
-        self._api = (Worker, register, Dispatch, DataProto)
+        self._api = (Worker, register, Dispatch, DataProto, Execute)
         self.cls = make_worker_class(Worker, register, Dispatch, DataProto)
         self.remote_cls = ray.remote(self.cls)
         self.DataProto = DataProto
@@ -294,6 +472,16 @@ class VerlSystem:
 
     def api(self) -> tuple:
         return self._api
+
+    def gather(self, futures: Any) -> Any:
+        return self.ray.get(futures)
+
+    def wait(self, futures: list) -> None:
+        self.ray.wait(futures, num_returns=len(futures))
+
+    def rows_pools(self) -> dict:
+        """The pools of :meth:`DaskSystem.rows_pools`; with Ray every group is its own actors."""
+        return {"g4": self.pool(4), "g2": self.pool(2), "g1": self.pool(1), "c2": self.pool(2)}
 
     def split_pool(self, sizes: list[int]):
         return [self.pool(n) for n in sizes]
@@ -333,105 +521,465 @@ class VerlSystem:
 
 SYSTEMS = {"daskwg": DaskSystem, "verl": VerlSystem}
 
+# ----------------------------------------------------------------------- rows of every run
+
 # Data plane: a [PLANE_ROWS, 4096] float32 batch (64 MiB) on 6 worker processes /
 # actors, producers and consumers on different ones; a 1 GiB tensor for the view case.
 PLANE_ROWS = 4096
-PLANE_WORKERS = 6
 VIEW_ELEMENTS = 1 << 28
-PLANE_REPS = {"reshard": 5, "chain": 5, "roundtrip": 5, "view": 5}
+PLANE_KEYS = (
+    "reshard 4->2",
+    "reshard 2->4",
+    "chain union/select",
+    "driver round trip",
+    "view of big tensor",
+    "16-element clone",
+)
+
+
+class RouteUnavailable(Exception):
+    """A route the installed daskwg (or Ray) does not offer: its row prints n/a and why."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:160] if text else type(exc).__name__
 
 
 def _wait_all(system, fut) -> None:
-    if system.name == "daskwg":
-        from distributed import wait
-
-        wait(list(fut.futures))
-    else:
-        system.ray.wait(list(fut.futures), num_returns=len(fut.futures))
+    system.wait(list(fut.futures))
 
 
-def run_plane_child(name: str) -> dict:
-    """Resharding, a union/select chain, a driver round trip and a returned view."""
+def _expect(got: Any, want: Any, what: str) -> None:
+    if got != want:
+        raise AssertionError(f"{what}: got {got!r}, expected {want!r}")
+
+
+class Rows:
+    """One rows child: the system, its groups (built on first use) and what was measured.
+
+    Groups, on :meth:`DaskSystem.rows_pools`: ``g4`` (4 ranks: the per-call rows, the
+    consumers of reshard 2->4 and the rollout of broadcast and weight sync), ``g2`` (2
+    ranks on two other workers: reshard 4->2's consumers, the 2-rank trainer, the
+    union/select producers), ``g1`` (1 rank: the 1-rank trainer and broadcast source,
+    the returned view) and ``c2`` (2 ranks: the union/select consumers).
+    """
+
+    def __init__(self, system):
+        self.system = system
+        self.samples: dict[str, list[float]] = {}
+        self.extra: dict[str, dict] = {}
+        self.na: dict[str, str] = {}
+        self._pools = system.rows_pools()
+        self._groups: dict[str, Any] = {}
+
+    def group(self, key: str):
+        if key not in self._groups:
+            self._groups[key] = self.system.group_on(self._pools[key])
+        return self._groups[key]
+
+    def close(self) -> None:
+        for wg in self._groups.values():
+            self.system.close_group(wg)
+        for pool in self._pools.values():
+            self.system.close_pool(pool)
+
+
+def row_one_to_all(r: Rows) -> None:
+    wg = r.group("g4")
+    r.samples["one_to_all"] = timeit(lambda: _expect(wg.echo(1), [1] * 4, "echo"), ROW_REPS["one_to_all"])
+
+
+def row_nonblocking(r: Rows) -> None:
+    wg = r.group("g4")
+
+    def once():
+        _expect(list(r.system.gather(wg.echo_nonblocking(1))), [1] * 4, "echo_nonblocking")
+
+    r.samples["nonblocking"] = timeit(once, ROW_REPS["nonblocking"])
+
+
+def _rl_seed(system) -> tuple[Any, Any]:
+    """The tiny batch of the 6-call chain and the ``loss`` its last stage must return."""
     import torch
 
-    torch.set_num_threads(1)
-    system = SYSTEMS[name]()
-    system.start(PLANE_WORKERS)
-    cls = make_plane_class(*system.api())
-    system.cls = cls
-    if name == "verl":
-        system.remote_cls = system.ray.remote(cls)
-    samples: dict[str, list[float]] = {}
-    extra: dict[str, Any] = {}
+    prompts = torch.arange(TINY_ROWS * 8, dtype=torch.float32).reshape(TINY_ROWS, 8)
+    responses = prompts + 1.0
+    advantages = responses.sum(-1) * 0.5
+    loss = (advantages[:, None] * (responses * -0.01 - responses * -0.02)).sum(-1)
+    return system.DataProto.from_dict(tensors={"prompts": prompts}), loss
+
+
+def chain6_ordinary(system, wg, seed) -> Any:
+    """generate → reward → advantage → log-prob → ref-log-prob → update, each a
+    ``blocking=False`` call taking the previous call's ``DataProtoFuture``; the last one
+    is gathered in the driver."""
+    fut = wg.generate(seed)
+    for stage in (wg.reward, wg.advantage, wg.log_prob, wg.ref_log_prob, wg.update):
+        fut = stage(fut)
+    return fut.get()
+
+
+def chain6_plan(system, wg, seed) -> Any:
+    """PLUG-IN POINT (issue 22): the same 6 calls recorded once as a step plan and replayed.
+
+    Record :func:`chain6_ordinary`'s calls with ``seed`` as the step's input and return
+    the replayed step's gathered output (a DataProto with ``loss``).
+    """
+    if getattr(system.daskwg, "plan", None) is None:
+        raise RouteUnavailable("this daskwg has no daskwg.plan (issue 22)")
+    raise RouteUnavailable("daskwg.plan exists, but this route is not wired to it yet: write chain6_plan")
+
+
+def row_chain6(r: Rows) -> None:
+    import torch
+
+    wg = r.group("g4")
+    seed, loss = _rl_seed(r.system)
+    routes = [("chain6", chain6_ordinary)]
+    if r.system.name == "daskwg":
+        routes.append(("chain6 plan", chain6_plan))
+    for key, route in routes:
+
+        def once(route=route, key=key):
+            out = route(r.system, wg, seed)
+            if not torch.allclose(out.batch["loss"], loss):
+                raise AssertionError(f"{key}: wrong loss {out.batch['loss'].tolist()}")
+
+        try:
+            r.samples[key] = timeit(once, ROW_REPS["chain6"])
+        except RouteUnavailable as exc:
+            r.na[key] = str(exc)
+
+
+def seq_ordinary(system, wg, reps: int) -> list[float]:
+    """8 ordinary blocking calls; each rank's counter goes 0 → 8 (``DP_COMPUTE``)."""
+    n = wg.world_size
+
+    def once():
+        xs = [0] * n
+        for _ in range(SEQ_CALLS):
+            xs = wg.tick(xs)
+        _expect(list(xs), [SEQ_CALLS] * n, "tick")
+
+    return [t / SEQ_CALLS for t in timeit(once, reps)]
+
+
+def seq_plan(system, wg, reps: int) -> list[float]:
+    """PLUG-IN POINT (issue 22): :func:`seq_ordinary`'s 8 calls as one recorded step plan.
+
+    Record the 8 ``tick`` calls once (per-rank input ``[0] * 4``), then time ``reps``
+    replays (after one warm-up), check each gives ``[8] * 4`` and return the seconds
+    per call (replay time / 8).
+    """
+    if getattr(system.daskwg, "plan", None) is None:
+        raise RouteUnavailable("this daskwg has no daskwg.plan (issue 22)")
+    raise RouteUnavailable("daskwg.plan exists, but this route is not wired to it yet: write seq_plan")
+
+
+def seq_compiled_graph(system, wg, reps: int) -> list[float]:
+    """The same 8-stage shape as a Ray Compiled Graph over the group's actors: stage k of
+    every actor takes that actor's stage k-1 output (``tick.bind``), the graph's input
+    is 0 and its outputs are the 4 last stages (``MultiOutputNode``)."""
+    try:
+        from ray.dag import InputNode, MultiOutputNode
+    except ImportError as exc:
+        raise RouteUnavailable(f"ray.dag does not import here: {_first_line(exc)}") from None
+    actors = list(wg.workers)
+    with InputNode() as inp:
+        outs = [a.tick.bind(inp) for a in actors]
+        for _ in range(SEQ_CALLS - 1):
+            outs = [a.tick.bind(o) for a, o in zip(actors, outs)]
+        dag = MultiOutputNode(outs)
+    try:
+        compiled = dag.experimental_compile()
+    except Exception as exc:  # noqa: BLE001 - any failure to compile means: not available here
+        raise RouteUnavailable(
+            f"Ray Compiled Graphs do not work here: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    try:
+
+        def once():
+            _expect(list(system.ray.get(compiled.execute(0))), [SEQ_CALLS] * len(actors), "compiled graph")
+
+        return [t / SEQ_CALLS for t in timeit(once, reps)]
+    finally:
+        compiled.teardown()
+
+
+SEQ_ROUTES = (
+    ("seq8", ("daskwg", "verl"), seq_ordinary),
+    ("seq8 plan", ("daskwg",), seq_plan),
+    ("seq8 compiled graph", ("verl",), seq_compiled_graph),
+)
+
+
+def row_seq8(r: Rows) -> None:
+    wg = r.group("g4")
+    for key, systems, route in SEQ_ROUTES:
+        if r.system.name not in systems:
+            continue
+        try:
+            r.samples[key] = route(r.system, wg, ROW_REPS["seq8"])
+        except RouteUnavailable as exc:
+            r.na[key] = str(exc)
+
+
+def row_dp64(r: Rows) -> None:
+    import torch
+
+    wg = r.group("g4")
+    data = r.system.DataProto.from_dict(tensors={"x": torch.zeros(PLANE_ROWS, COLS)})
+    r.samples["dp64"] = timeit(functools.partial(wg.inplace, data), ROW_REPS["dp64"])
+    r.extra["dp64"] = {"bytes": PLANE_ROWS * COLS * 4}
+
+
+def _plane_check(metrics, what: str, rows: int) -> None:
+    expected = float(rows * (rows - 1) // 2)
+    total = sum(m[0] for m in metrics)
+    if total != expected or sum(m[1] for m in metrics) != rows or not all(m[2] for m in metrics):
+        raise AssertionError(f"{what}: wrong rows ({total} != {expected})")
+
+
+def row_reshard(r: Rows) -> None:
+    """A finished ``DataProtoFuture`` of a dp-m group consumed by a dp-n group on other processes."""
+    import torch
+
     rows = PLANE_ROWS
     batch_bytes = rows * (COLS * 4 + 8)
-    seed = system.DataProto.from_dict(tensors={"i": torch.arange(rows)})
-    expected = float(rows * (rows - 1) // 2)
-
-    def check(metrics, what):
-        total = sum(m[0] for m in metrics)
-        if total != expected or sum(m[1] for m in metrics) != rows or not all(m[2] for m in metrics):
-            raise AssertionError(f"{what}: wrong rows ({total} != {expected})")
-
-    for m, n in ((4, 2), (2, 4)):
-        p_pool, c_pool = system.split_pool([m, n])
-        producers, consumers = system.group_on(p_pool), system.group_on(c_pool)
+    seed = r.system.DataProto.from_dict(tensors={"i": torch.arange(rows)})
+    for producers, consumers, key in (("g4", "g2", "reshard 4->2"), ("g2", "g4", "reshard 2->4")):
+        producers, consumers = r.group(producers), r.group(consumers)
         times, per_rank = [], []
-        for rep in range(PLANE_REPS["reshard"] + 1):
+        for rep in range(ROW_REPS["reshard"] + 1):
             fut = producers.produce(seed)
-            _wait_all(system, fut)
+            _wait_all(r.system, fut)
             before = consumers.rx()
             t = time.perf_counter()
             metrics = consumers.consume(fut)
             elapsed = time.perf_counter() - t
             after = consumers.rx()
-            check(metrics, f"reshard {m}->{n}")
+            _plane_check(metrics, key, rows)
             if rep:
                 times.append(elapsed)
                 per_rank.append(max(b - a for a, b in zip(before, after)))
             del fut
-        samples[f"reshard {m}->{n}"] = times
-        extra[f"reshard {m}->{n}"] = {"max_rank_rx": per_rank, "share": batch_bytes / n}
-        system.close_group(producers)
-        system.close_group(consumers)
-        system.close_pool(p_pool)
-        system.close_pool(c_pool)
+        r.samples[key] = times
+        r.extra[key] = {"max_rank_rx": per_rank, "share": batch_bytes / consumers.world_size}
 
-    # Chain: P (dp 2) produces, derives y, the union of both (x, y, id) feeds C (dp 2).
-    p_pool, c_pool = system.split_pool([2, 2])
-    producers, consumers = system.group_on(p_pool), system.group_on(c_pool)
+
+def _egress(wg) -> int:
+    """TCP bytes the processes of ``wg``'s ranks have sent so far (each rank its own process)."""
+    return sum(tx for _, tx in wg.net())
+
+
+def _check_loaded(out: list, version: int, what: str) -> None:
+    want = [(float(version), WEIGHT_BYTES)] * len(out)
+    _expect([(v, n) for v, n in out], want, what)
+
+
+def shared_value(system, fut) -> Any:
+    """A single-rank future as an argument every rank of the next call resolves: in
+    daskwg the documented ``DataProtoFuture.concat([future])``; in verl the ObjectRef
+    itself (Ray resolves refs passed to actor calls)."""
+    if system.name == "daskwg":
+        return system.daskwg.DataProtoFuture.concat([fut])
+    return fut
+
+
+def row_broadcast(r: Rows) -> None:
+    """A 256 MiB state dict already on one rank, loaded by the 4 ranks of another group."""
+    src, dst = r.group("g1"), r.group("g4")
+    src.init_weights(WEIGHT_BYTES, WEIGHT_TENSORS)
+    times, egress, driver = [], [], []
+    for rep in range(ROW_REPS["broadcast"] + 1):
+        src.bump(rep + 1)
+        fut = src.get_weights()
+        r.system.wait([fut])
+        arg = shared_value(r.system, fut)
+        s0, d0 = _egress(src), tcp_bytes()[1]
+        t = time.perf_counter()
+        out = dst.load_weights(arg)
+        elapsed = time.perf_counter() - t
+        s1, d1 = _egress(src), tcp_bytes()[1]
+        _check_loaded(out, rep + 1, "broadcast")
+        if rep:
+            times.append(elapsed)
+            egress.append(s1 - s0)
+            driver.append(d1 - d0)
+        del fut, arg, out
+    dst.drop()
+    r.samples["broadcast"] = times
+    r.extra["broadcast"] = {"source_tx": egress, "driver_tx": driver, "bytes": WEIGHT_BYTES}
+
+
+# Weight sync: one function per route; each loads the trainer's current weights into
+# every rollout rank and returns ``load_weights``' per-rank results, or raises
+# RouteUnavailable (its rows then print n/a with the reason).
+
+
+def ws_future(system, trainer, rollout) -> list:
+    """The trainer's future itself as the argument, ``load_weights(get_weights())``.
+
+    This is Ray's route: the ObjectRef that ``get_weights`` returns is stored once in
+    the trainer's object store and every rollout actor resolves it. daskwg resolves
+    plain futures in call arguments on the ranks once issue 17 lands; a daskwg where
+    that fails prints n/a with the error.
+    """
+    if system.name != "daskwg":
+        return rollout.load_weights(trainer.get_weights())
+    d = system.daskwg
+    try:
+        return rollout.load_weights(trainer.get_weights())
+    except (d.RankError, d.DispatchError) as exc:
+        # "rank 0 (tcp://...) raised in 'load_weights': TypeError: ..." -> the part after the method.
+        why = _first_line(exc).split("': ", 1)[-1]
+        raise RouteUnavailable(f"fails in this daskwg: {type(exc).__name__}: {why}") from None
+
+
+def ws_concat(system, trainer, rollout) -> list:
+    """daskwg's documented route: ``load_weights(DataProtoFuture.concat([get_weights()]))``;
+    every rollout rank fetches the weights from the trainer's worker itself."""
+    return rollout.load_weights(system.daskwg.DataProtoFuture.concat([trainer.get_weights()]))
+
+
+def ws_driver(system, trainer, rollout) -> list:
+    """Through the driver: the weights are gathered into the driver, then sent to every rank."""
+    return rollout.load_weights(system.gather(trainer.get_weights()))
+
+
+def ws_collective(system, trainer, rollout) -> list:
+    """PLUG-IN POINT (issue 17): a torch broadcast over a collective spanning trainer rank 0
+    and the rollout ranks, declared by the driver (``ray.util.collective``'s shape).
+
+    Build the collective once (cache it on ``trainer``), have trainer rank 0 broadcast
+    its weights and the rollout ranks receive them (methods to add to
+    :func:`make_rows_class`), and return the rollout ranks' ``(version, bytes)`` as
+    ``load_weights`` does.
+    """
+    d = system.daskwg
+    names = ("create_collective_group", "init_collective_group", "collective_group", "CollectiveGroup")
+    found = [n for n in names if getattr(d, n, None) is not None]
+    if not found:
+        raise RouteUnavailable("this daskwg has no cross-group collective (issue 17)")
+    raise RouteUnavailable(
+        f"daskwg.{found[0]} exists, but this route is not wired to it yet: write ws_collective"
+    )
+
+
+def ws_relay(system, trainer, rollout) -> list:
+    """PLUG-IN POINT (issue 17/21): a data-plane broadcast relayed between the rollout ranks
+    (a chain or tree of consumers, chunked), so the trainer sends the weights about once.
+
+    If the data plane relays a value consumed by many ranks by itself, the ``concat``
+    route measures it and this one stays n/a; if relaying takes its own call, write it
+    here and return the rollout ranks' ``(version, bytes)``.
+    """
+    raise RouteUnavailable(
+        "no explicit relayed broadcast in this daskwg (issue 17): the concat route is today's"
+    )
+
+
+WEIGHT_ROUTES = (
+    # (key, label, systems that run it, function)
+    (
+        "future",
+        "`load_weights(get_weights())`: the future as the argument (Ray's route)",
+        ("daskwg", "verl"),
+        ws_future,
+    ),
+    ("concat", "`load_weights(DataProtoFuture.concat([get_weights()]))`", ("daskwg",), ws_concat),
+    ("driver", "through the driver: `load_weights(get(get_weights()))`", ("daskwg",), ws_driver),
+    ("collective", "cross-group collective broadcast", ("daskwg",), ws_collective),
+    ("relay", "relayed data-plane broadcast", ("daskwg",), ws_relay),
+)
+WEIGHT_CASES = (("2->4", "g2"), ("1->4", "g1"))
+
+
+def row_weights(r: Rows) -> None:
+    """Weight sync, trainer (2 ranks, then 1) → 4 rollout ranks, every route this system has."""
+    rollout = r.group("g4")
+    version = 0
+    for case, trainer_key in WEIGHT_CASES:
+        trainer = r.group(trainer_key)
+        trainer.init_weights(WEIGHT_BYTES, WEIGHT_TENSORS)
+        for route_key, _, systems, route in WEIGHT_ROUTES:
+            if r.system.name not in systems:
+                continue
+            key = f"weights {case} {route_key}"
+            times, egress, driver = [], [], []
+            try:
+                for rep in range(ROW_REPS["weights"] + 1):
+                    version += 1
+                    trainer.bump(version)
+                    s0, d0 = _egress(trainer), tcp_bytes()[1]
+                    t = time.perf_counter()
+                    out = route(r.system, trainer, rollout)
+                    elapsed = time.perf_counter() - t
+                    s1, d1 = _egress(trainer), tcp_bytes()[1]
+                    _check_loaded(out, version, key)
+                    if rep:
+                        times.append(elapsed)
+                        egress.append(s1 - s0)
+                        driver.append(d1 - d0)
+                    del out
+            except RouteUnavailable as exc:
+                r.na[key] = str(exc)
+                continue
+            r.samples[key] = times
+            r.extra[key] = {"source_tx": egress, "driver_tx": driver, "bytes": WEIGHT_BYTES}
+        trainer.drop()
+    rollout.drop()
+
+
+def row_union(r: Rows) -> None:
+    """P (dp 2) produces, derives y, the union of both (x, y, id) feeds C (dp 2)."""
+    import torch
+
+    producers, consumers = r.group("g2"), r.group("c2")
+    rows = PLANE_ROWS
+    seed = r.system.DataProto.from_dict(tensors={"i": torch.arange(rows)})
     times, driver_rx, growth = [], [], []
-    for rep in range(PLANE_REPS["chain"] + 1):
+    for rep in range(ROW_REPS["union"] + 1):
         r0, _ = tcp_bytes()
         with PeakRSS() as mem:
             t = time.perf_counter()
             fa = producers.produce(seed)
             fb = producers.derive(fa)
-            if name == "daskwg":
+            if r.system.name == "daskwg":
                 batch = fa.union(fb).select(batch_keys=["x", "y", "id"])
             else:  # verl's DataProtoFuture has no union/select: the driver materialises both
                 batch = fa.get().union(fb.get()).select(batch_keys=["x", "y", "id"])
             metrics = consumers.consume(batch)
             elapsed = time.perf_counter() - t
         r1, _ = tcp_bytes()
-        check(metrics, "chain")
+        _plane_check(metrics, "chain", rows)
         if rep:
             times.append(elapsed)
             driver_rx.append(r1 - r0)
             growth.append(mem.peak - mem.baseline)
         del fa, fb, batch
-    samples["chain union/select"] = times
-    extra["chain union/select"] = {"driver_rx": driver_rx, "rss_growth": growth, "batch": batch_bytes}
-    system.close_group(consumers)
+    r.samples["chain union/select"] = times
+    r.extra["chain union/select"] = {
+        "driver_rx": driver_rx,
+        "rss_growth": growth,
+        "batch": rows * (COLS * 4 + 8),
+    }
 
-    # Non-blocking round trip from the driver: P.echo_async(batch).get().
-    data = system.DataProto.from_dict(tensors={"x": torch.ones(rows, COLS), "id": torch.arange(rows)})
+
+def row_roundtrip(r: Rows) -> None:
+    """Non-blocking round trip from the driver: ``P.echo_async(batch).get()``."""
+    import torch
+
+    producers = r.group("g2")
+    rows = PLANE_ROWS
+    data = r.system.DataProto.from_dict(tensors={"x": torch.ones(rows, COLS), "id": torch.arange(rows)})
     times, held = [], []
-    for rep in range(PLANE_REPS["roundtrip"] + 1):
+    for rep in range(ROW_REPS["roundtrip"] + 1):
         t = time.perf_counter()
         fut = producers.echo_async(data)
-        if name == "daskwg":
-            held.append(system.client.run_on_scheduler(_task_spec_bytes))
+        if r.system.name == "daskwg":
+            held.append(r.system.client.run_on_scheduler(_task_spec_bytes))
         out = fut.get()
         elapsed = time.perf_counter() - t
         if not torch.equal(out.batch["x"], data.batch["x"]):
@@ -439,29 +987,92 @@ def run_plane_child(name: str) -> dict:
         if rep:
             times.append(elapsed)
         del fut, out
-    samples["driver round trip"] = times
-    extra["driver round trip"] = {"scheduler_task_bytes": held}
-    system.close_group(producers)
-    system.close_pool(p_pool)
-    system.close_pool(c_pool)
+    r.samples["driver round trip"] = times
+    r.extra["driver round trip"] = {"scheduler_task_bytes": held}
 
-    # A 16-element view of a big tensor, returned, against a 16-element clone.
-    pool = system.pool(1)
-    wg = system.group_on(pool)
+
+def row_view(r: Rows) -> None:
+    """A 16-element view of a big tensor, returned, against a 16-element clone."""
+    wg = r.group("g1")
     wg.make_big(VIEW_ELEMENTS)
     for label, fn in (("view of big tensor", wg.view), ("16-element clone", wg.view_clone)):
         times = []
-        for rep in range(PLANE_REPS["view"] + 1):
+        for rep in range(ROW_REPS["view"] + 1):
             t = time.perf_counter()
             out = fn()
             if rep:
                 times.append(time.perf_counter() - t)
-        samples[label] = times
-        extra[label] = {"bytes": int(out[0].numel() * out[0].element_size())}
-    system.close_group(wg)
-    system.close_pool(pool)
+        r.samples[label] = times
+        r.extra[label] = {"bytes": int(out[0].numel() * out[0].element_size())}
+    wg.drop()
+
+
+# In this order: the compiled graph takes the actors over until its teardown, so last.
+ROW_FUNCTIONS = {
+    "one_to_all": row_one_to_all,
+    "nonblocking": row_nonblocking,
+    "chain6": row_chain6,
+    "dp64": row_dp64,
+    "reshard": row_reshard,
+    "broadcast": row_broadcast,
+    "weights": row_weights,
+    "union": row_union,
+    "roundtrip": row_roundtrip,
+    "view": row_view,
+    "seq8": row_seq8,
+}
+
+
+def run_rows_child(name: str, rows: list[str]) -> dict:
+    """The rows of one run, ``rows`` among :data:`ROW_FUNCTIONS`, on 6 workers / actors."""
+    import torch
+
+    torch.set_num_threads(1)
+    system = SYSTEMS[name]()
+    system.start(ROWS_WORKERS, slots=12)
+    system.cls = make_rows_class(*system.api())
+    if name == "verl":
+        system.remote_cls = system.ray.remote(system.cls)
+    r = Rows(system)
+    for key, fn in ROW_FUNCTIONS.items():
+        if key in rows:
+            t = time.perf_counter()
+            fn(r)
+            print(f"[bench]   {name} {key}: {time.perf_counter() - t:.1f} s", flush=True)
+    r.close()
     system.stop()
-    return {"samples": samples, "extra": extra, "view_elements": VIEW_ELEMENTS, "rows": rows}
+    return {
+        "samples": r.samples,
+        "extra": r.extra,
+        "na": r.na,
+        "versions": system.versions(),
+        "view_elements": VIEW_ELEMENTS,
+        "rows": PLANE_ROWS,
+    }
+
+
+def run_floors_child() -> dict:
+    """The physical floors of this machine (``benchmarks/floors.py``), in seconds per sample."""
+    import floors
+    import torch
+
+    torch.set_num_threads(1)
+    q = FLOOR_REPS
+    nbytes = FLOOR_COPY_BYTES
+    out = {
+        "memcpy warm": floors.memcpy_warm(nbytes, q["memcpy"]),
+        "memcpy fresh torch": floors.memcpy_fresh_torch(nbytes, q["memcpy"]),
+        "memcpy fresh numpy": floors.memcpy_fresh_numpy(nbytes, q["memcpy"]),
+        "tcp warm": floors.tcp_transfer(WEIGHT_BYTES, q["tcp"], fresh=False),
+        "p2p": floors.tcp_transfer(WEIGHT_BYTES, q["tcp"], fresh=True),
+        "rtt4": floors.socket_rtt(4, q["rtt"]),
+    }
+    out.update(floors.dask_rpc(4, q["rpc"]))
+    return {"samples": out, "copy_bytes": nbytes, "transfer_bytes": WEIGHT_BYTES}
+
+
+FLOOR_REPS = {"memcpy": 10, "tcp": 5, "rtt": 2000, "rpc": 300}
+FLOOR_COPY_BYTES = 64 * MB
 
 
 def _task_spec_bytes(dask_scheduler) -> int:
@@ -471,13 +1082,17 @@ def _task_spec_bytes(dask_scheduler) -> int:
 
 
 def build_plane_report(d: dict, v: dict | None) -> tuple[str, dict]:
-    """The data-plane table (daskwg and, where given, verl) and its verdicts."""
+    """The data-plane table (daskwg and, where given, verl) and its verdicts, from the
+    samples of every run pooled (:func:`pool_runs`)."""
     verdicts = {}
     lines = [
         "| data plane | daskwg median (min–max) | verl median (min–max) | daskwg/verl | bytes |",
         "|---|---|---|---|---|",
     ]
-    for key, ds in d["samples"].items():
+    for key in PLANE_KEYS:
+        ds = d["samples"].get(key)
+        if not ds:
+            continue
         vs = v["samples"].get(key) if v else None
         ratio = f"{statistics.median(ds) / statistics.median(vs):.2f}" if vs else ""
         e = d["extra"].get(key, {})
@@ -674,68 +1289,404 @@ def target_for(key: str) -> float | None:
     return None
 
 
-def build_report(res: dict, rss: dict, mach: dict) -> tuple[str, dict]:
-    d, v = res["daskwg"], res["verl"]
-    lines = [
-        "| benchmark | ranks | daskwg median (min–max) | verl median (min–max) | daskwg/verl | target | met |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    verdicts = {}
-    for key in d["samples"]:
-        bench, n = key.split("/")
-        ds, vs = d["samples"][key], v["samples"][key]
-        ratio = statistics.median(ds) / statistics.median(vs)
-        target = target_for(key)
-        met = "" if target is None else ("yes" if ratio <= target else "**no**")
-        if target is not None:
-            verdicts[key] = ratio <= target
-        lines.append(
-            f"| {LABELS[bench]} | {n} | {cell(ds)} | {cell(vs)} | {ratio:.2f} | "
-            f"{'' if target is None else f'≤ {target}'} | {met} |"
-        )
-    table = "\n".join(lines)
+def build_report(res: dict, rss: dict) -> tuple[str, dict]:
+    """The tables of the once-measured sections: ``res`` (timings) and ``rss``, either may be empty."""
+    tables, verdicts = [], {}
+    if res:
+        d, v = res["daskwg"], res["verl"]
+        lines = [
+            "| benchmark | ranks | daskwg median (min–max) | verl median (min–max) | daskwg/verl | target | met |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key in d["samples"]:
+            bench, n = key.split("/")
+            ds, vs = d["samples"][key], v["samples"][key]
+            ratio = statistics.median(ds) / statistics.median(vs)
+            target = target_for(key)
+            met = "" if target is None else ("yes" if ratio <= target else "**no**")
+            if target is not None:
+                verdicts[key] = ratio <= target
+            lines.append(
+                f"| {LABELS[bench]} | {n} | {cell(ds)} | {cell(vs)} | {ratio:.2f} | "
+                f"{'' if target is None else f'≤ {target}'} | {met} |"
+            )
+        tables.append("\n".join(lines))
 
+        lines = [
+            "| chain | ranks | daskwg: driver TCP in / out, RSS growth | verl: driver TCP in / out, RSS growth |",
+            "|---|---|---|---|",
+        ]
+        batch_bytes = CHAIN_ROWS * COLS * 4
+        for key in d["extra"]:
+            if not key.startswith("chain/"):
+                continue
+            n = key.split("/")[1]
+            cells = []
+            for sysres, name in ((d, "daskwg"), (v, "verl")):
+                e = sysres["extra"][key]
+                rx, tx, growth = max(e["rx"]), max(e["tx"]), max(e["rss_growth"])
+                cells.append(f"{fmt_b(rx)} / {fmt_b(tx)}, {fmt_b(growth)}")
+                if name == "daskwg":
+                    verdicts[f"chain-bytes/{n}"] = rx + tx < 0.01 * batch_bytes
+            lines.append(f"| {LABELS['chain']} | {n} | {cells[0]} | {cells[1]} |")
+        tables.append("\n".join(lines))
+
+    if rss:
+        lines = [
+            "| driver memory, 256 MiB round trip, 4 ranks | daskwg | verl |",
+            "|---|---|---|",
+        ]
+        rd, rv = rss["daskwg"], rss["verl"]
+        lines.append(f"| RSS before the batch exists | {fmt_b(rd['baseline'])} | {fmt_b(rv['baseline'])} |")
+        lines.append(f"| peak RSS (1 ms polling) | {fmt_b(rd['peak'])} | {fmt_b(rv['peak'])} |")
+        lines.append(f"| peak RSS (ru_maxrss) | {fmt_b(rd['ru_maxrss'])} | {fmt_b(rv['ru_maxrss'])} |")
+        growth = {k: (r["peak"] - r["baseline"]) / r["batch_bytes"] for k, r in rss.items()}
+        lines.append(
+            f"| peak growth / batch size (target ≤ 2.5) | {growth['daskwg']:.2f}× | {growth['verl']:.2f}× |"
+        )
+        verdicts["rss"] = growth["daskwg"] <= 2.5
+        tables.append("\n".join(lines))
+
+    if res:
+        d, v = res["daskwg"], res["verl"]
+        lines = [
+            "| runtime start (not in any row above) | daskwg | verl |",
+            "|---|---|---|",
+            f"| `local_cluster(4)` + `Client` / `ray.init` | {fmt_s(d['extra']['runtime_start_s'])} | "
+            f"{fmt_s(v['extra']['runtime_start_s'])} |",
+        ]
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables), verdicts
+
+
+# ----------------------------------------------------------------------- report: rows of every run
+
+
+def floor_values(floors: dict) -> dict[str, float]:
+    """Seconds per floor of one run, from the floors child's samples (medians)."""
+    s = {k: statistics.median(v) for k, v in floors["samples"].items()}
+    tcp_rate = floors["transfer_bytes"] / s["tcp warm"]  # bytes per second
+    return {
+        "rpc+hop": s["rpc+hop"],
+        "rpc+hop/8": s["rpc+hop"] / SEQ_CALLS,
+        "2x64 tcp": 2 * 64 * MB / tcp_rate,
+        "64 tcp": 64 * MB / tcp_rate,
+        "p2p": s["p2p"],
+    }
+
+
+FLOOR_LABELS = {
+    "rpc+hop": "Dask rpc + thread hop, 4 workers",
+    "rpc+hop/8": "⅛ of a Dask rpc + hop (one message per 8 calls)",
+    "2x64 tcp": "2 × 64 MiB at loopback TCP speed",
+    "64 tcp": "64 MiB at loopback TCP speed",
+    "p2p": "one 256 MiB point-to-point transfer",
+}
+
+# (daskwg key, label, verl key, floor, target ratio to verl, absolute target in seconds)
+ISSUE_ROWS = (
+    (
+        "nonblocking",
+        "`blocking=False` call + gather, 4 ranks, tiny data",
+        "nonblocking",
+        "rpc+hop",
+        0.5,
+        None,
+    ),
+    (
+        "chain6",
+        "6-call `DataProtoFuture` chain (RL step), tiny data, 4 ranks",
+        "chain6",
+        "rpc+hop",
+        0.25,
+        None,
+    ),
+    ("chain6 plan", "the 6-call chain as a `daskwg.plan`", "chain6", "rpc+hop", 0.1, 3e-3),
+    ("one_to_all", "ONE_TO_ALL small blocking call, 4 ranks", "one_to_all", "rpc+hop", 0.5, None),
+    ("seq8", "per call, 8-call sequence, 4 ranks: ordinary calls", "seq8", "rpc+hop/8", None, None),
+    (
+        "seq8",
+        "per call, 8 ordinary calls vs a Ray Compiled Graph",
+        "seq8 compiled graph",
+        "rpc+hop/8",
+        None,
+        None,
+    ),
+    ("seq8 plan", "per call, 8-call `daskwg.plan` vs verl's calls", "seq8", "rpc+hop/8", 0.15, 0.25e-3),
+    (
+        "seq8 plan",
+        "per call, 8-call `daskwg.plan` vs a Ray Compiled Graph",
+        "seq8 compiled graph",
+        "rpc+hop/8",
+        None,
+        None,
+    ),
+    ("dp64", "64 MiB DP round trip, 4 ranks", "dp64", "2x64 tcp", 0.25, None),
+    ("reshard 4->2", "reshard 4→2, 64 MiB", "reshard 4->2", "64 tcp", 0.5, None),
+    ("reshard 2->4", "reshard 2→4, 64 MiB", "reshard 2->4", "64 tcp", 0.5, None),
+    ("broadcast", "broadcast of a 256 MiB state dict, 1 → 4 ranks", "broadcast", "p2p", 0.75, None),
+)
+
+
+def _median_of(run: dict, name: str, key: str) -> float | None:
+    samples = run.get(name, {}).get("samples", {}).get(key)
+    return statistics.median(samples) if samples else None
+
+
+def _na_of(runs: list[dict], name: str, key: str) -> str | None:
+    for run in runs:
+        reason = run.get(name, {}).get("na", {}).get(key)
+        if reason:
+            return reason
+    return None
+
+
+def _join(values: list, fmt) -> str:
+    return " / ".join("n/a" if v is None else fmt(v) for v in values)
+
+
+def _ratios(a: list, b: list) -> list:
+    return [x / y if x is not None and y else None for x, y in zip(a, b)]
+
+
+def _spread(values: list) -> str:
+    got = [v for v in values if v is not None]
+    if len(got) < 2 or min(got) <= 0:
+        return "–"
+    return f"{(max(got) / min(got) - 1) * 100:.0f}%"
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def _na_cell(values: list, reason: str | None) -> str:
+    if all(v is None for v in values):
+        return f"n/a ({reason})" if reason else "n/a"
+    return _join(values, fmt_s)
+
+
+def _met(checks: list[list]) -> bool | None:
+    """True when every check of every run holds, None when nothing could be checked."""
+    flat = [c for run in checks for c in run]
+    if not flat or any(c is None for c in flat):
+        return None
+    return all(flat)
+
+
+def _met_cell(met: bool | None) -> str:
+    return "n/a" if met is None else ("yes" if met else "**no**")
+
+
+def build_rows_report(runs: list[dict]) -> tuple[str, dict]:
+    """The tables of the rows measured in every run: the per-call and data rows, weight
+    sync, the physical floors and the load averages; and their verdicts."""
+    verdicts: dict[str, bool] = {}
+    floors = [floor_values(run["floors"]) if run.get("floors") else {} for run in runs]
+    n = len(runs)
     lines = [
-        "| chain | ranks | daskwg: driver TCP in / out, RSS growth | verl: driver TCP in / out, RSS growth |",
+        f"Each cell: the median of each of the {n} run(s), in run order; ratios are taken per run. "
+        "Spread: largest ÷ smallest of the run medians, minus 1 (daskwg / verl).",
+        "",
+        "| row | daskwg | verl | daskwg ÷ verl | floor | daskwg ÷ floor | spread | bytes | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dkey, label, vkey, fkey, vs_target, abs_target in ISSUE_ROWS:
+        d = [_median_of(run, "daskwg", dkey) for run in runs]
+        v = [_median_of(run, "verl", vkey) for run in runs]
+        if all(x is None for x in d) and all(x is None for x in v) and not _na_of(runs, "daskwg", dkey):
+            continue  # not selected by --rows
+        f = [fl.get(fkey) for fl in floors]
+        ratio, over_floor = _ratios(d, v), _ratios(d, f)
+        bytes_cell, checks = "", [[] for _ in runs]
+        if vs_target is not None:
+            for i, r in enumerate(ratio):
+                checks[i].append(None if r is None else r <= vs_target)
+        if abs_target is not None:
+            for i, x in enumerate(d):
+                checks[i].append(None if x is None else x <= abs_target)
+        if dkey.startswith("reshard"):
+            worst = {}
+            for name in ("daskwg", "verl"):
+                shares = [
+                    max(e["max_rank_rx"]) / e["share"]
+                    for run in runs
+                    if (e := run.get(name, {}).get("extra", {}).get(dkey))
+                ]
+                worst[name] = max(shares) if shares else None
+            if worst["daskwg"] is not None:
+                bytes_cell = f"most any consumer received: daskwg {worst['daskwg']:.2f}× its share"
+                if worst["verl"] is not None:
+                    bytes_cell += f", verl {worst['verl']:.2f}× (TCP; Ray uses shared memory)"
+        if dkey == "broadcast":
+            src = [
+                max(e["source_tx"]) / e["bytes"]
+                for run in runs
+                if (e := run.get("daskwg", {}).get("extra", {}).get("broadcast"))
+            ]
+            if src:
+                bytes_cell = f"source egress {_join(src, _x)}× the state dict"
+                for i, e in enumerate(src):
+                    checks[i].append(e <= 1.25)
+        target = []
+        if vs_target is not None:
+            target.append(f"≤ {vs_target}× verl")
+        if abs_target is not None:
+            target.append(f"≤ {fmt_s(abs_target)}")
+        if dkey == "broadcast":
+            target.append("egress ≤ 1.25×")
+        met = _met(checks) if target else None
+        if target:
+            verdicts[f"{label}: {', '.join(target)}"] = met
+        dcell = _na_cell(d, _na_of(runs, "daskwg", dkey))
+        vcell = _na_cell(v, _na_of(runs, "verl", vkey))
+        fcell = f"{FLOOR_LABELS[fkey]}: {_join(f, fmt_s)}"
+        lines.append(
+            f"| {label} | {dcell} | {vcell} | {_join(ratio, _x)} | {fcell} | {_join(over_floor, _x)} | "
+            f"{_spread(d)} / {_spread(v)} | {bytes_cell} | {', '.join(target)} | "
+            f"{_met_cell(met) if target else ''} |"
+        )
+    tables = ["\n".join(lines)]
+    weights, weight_verdicts = _weights_table(runs, floors)
+    if weights:
+        tables.append(weights)
+        verdicts.update(weight_verdicts)
+    tables.append(_floors_table(runs))
+    tables.append(_load_table(runs))
+    return "\n\n".join(tables), verdicts
+
+
+def _weights_table(runs: list[dict], floors: list[dict]) -> tuple[str, dict]:
+    verdicts = {}
+    p2p = [fl.get("p2p") for fl in floors]
+    lines = [
+        f"| weight sync, {WEIGHT_BYTES // MB} MiB | route | time | ÷ one p2p transfer | ÷ verl's Ray route | "
+        "egress ÷ weights: trainer ranks; driver process | spread | met (≤ 1.5× p2p, egress ≤ 1.25×) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    any_row = False
+    for case, _ in WEIGHT_CASES:
+        ray_key = f"weights {case} future"
+        ray = [_median_of(run, "verl", ray_key) for run in runs]
+        for system, routes in (("daskwg", WEIGHT_ROUTES), ("verl", WEIGHT_ROUTES[:1])):
+            for route_key, label, systems, _ in routes:
+                if system not in systems:
+                    continue
+                key = f"weights {case} {route_key}"
+                t = [_median_of(run, system, key) for run in runs]
+                reason = _na_of(runs, system, key)
+                if all(x is None for x in t) and not reason:
+                    continue
+                any_row = True
+                extras = [run.get(system, {}).get("extra", {}).get(key) for run in runs]
+                src = [max(e["source_tx"]) / e["bytes"] if e else None for e in extras]
+                drv = [max(e["driver_tx"]) / e["bytes"] if e else None for e in extras]
+                over_p2p = _ratios(t, p2p)
+                checks = [
+                    [None if x is None else x <= 1.5, None if s is None else max(s, dr) <= 1.25]
+                    for x, s, dr in zip(over_p2p, src, [x or 0.0 for x in drv])
+                ]
+                met = _met(checks)
+                if system == "daskwg":
+                    verdicts[f"weight sync {case} {route_key}: ≤ 1.5× p2p, egress ≤ 1.25×"] = met
+                egress = (
+                    "n/a"
+                    if all(s is None for s in src)
+                    else f"{_join(src, _x)}; {_join(drv, _x)}" + (" (TCP only)" if system == "verl" else "")
+                )
+                vs_ray = _join(_ratios(t, ray), _x) if system == "daskwg" else ""
+                lines.append(
+                    f"| {case.replace('->', ' → ')} {system} | {label} | {_na_cell(t, reason)} | "
+                    f"{_join(over_p2p, _x)} | {vs_ray} | {egress} | {_spread(t)} | {_met_cell(met)} |"
+                )
+    return ("\n".join(lines) if any_row else ""), verdicts
+
+
+def _floors_table(runs: list[dict]) -> str:
+    def rate(nbytes):
+        return lambda s: f"{nbytes / s / 1e9:.1f} GB/s"
+
+    rows = (
+        ("memcpy into a warm buffer", "memcpy warm", "copy_bytes"),
+        ("memcpy into fresh torch pages (`torch.empty`)", "memcpy fresh torch", "copy_bytes"),
+        ("memcpy into fresh numpy pages (`numpy.empty`, huge pages)", "memcpy fresh numpy", "copy_bytes"),
+        ("loopback TCP, one connection, warm receive buffer", "tcp warm", "transfer_bytes"),
+        (
+            "one point-to-point transfer of the state dict (loopback TCP into fresh `torch.empty`)",
+            "p2p",
+            None,
+        ),
+        ("8-byte socket round trip to 4 peers", "rtt4", None),
+        ("raw Dask rpc round trip to 4 workers", "rpc", None),
+        ("raw Dask rpc round trip to 4 workers, with the thread hop", "rpc+hop", None),
+    )
+    header = " | ".join(f"run {i + 1}" for i in range(len(runs)))
+    lines = [
+        f"| physical floor (measured in each run) | {header} |",
+        "|---|" + "---|" * len(runs),
+    ]
+    for label, key, size in rows:
+        cells = []
+        for run in runs:
+            fl = run.get("floors")
+            if not fl:
+                cells.append("n/a")
+                continue
+            m = statistics.median(fl["samples"][key])
+            cells.append(rate(fl[size])(m) if size else fmt_s(m))
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def _load_table(runs: list[dict]) -> str:
+    lines = [
+        "| run | load average at start (1, 5, 15 min) | at end | wall |",
         "|---|---|---|---|",
     ]
-    batch_bytes = CHAIN_ROWS * COLS * 4
-    for key in d["extra"]:
-        if not key.startswith("chain/"):
-            continue
-        n = key.split("/")[1]
-        cells = []
-        for sysres, name in ((d, "daskwg"), (v, "verl")):
-            e = sysres["extra"][key]
-            rx, tx, growth = max(e["rx"]), max(e["tx"]), max(e["rss_growth"])
-            cells.append(f"{fmt_b(rx)} / {fmt_b(tx)}, {fmt_b(growth)}")
-            if name == "daskwg":
-                verdicts[f"chain-bytes/{n}"] = rx + tx < 0.01 * batch_bytes
-        lines.append(f"| {LABELS['chain']} | {n} | {cells[0]} | {cells[1]} |")
-    bytes_table = "\n".join(lines)
+    for i, run in enumerate(runs):
+        start, end = run.get("load_start"), run.get("load_end")
+        fmt = lambda la: ", ".join(f"{x:.2f}" for x in la) if la else "?"  # noqa: E731
+        lines.append(f"| {i + 1} | {fmt(start)} | {fmt(end)} | {run.get('wall_s', 0):.0f} s |")
+    return "\n".join(lines)
 
-    lines = [
-        "| driver memory, 256 MiB round trip, 4 ranks | daskwg | verl |",
-        "|---|---|---|",
-    ]
-    rd, rv = rss["daskwg"], rss["verl"]
-    lines.append(f"| RSS before the batch exists | {fmt_b(rd['baseline'])} | {fmt_b(rv['baseline'])} |")
-    lines.append(f"| peak RSS (1 ms polling) | {fmt_b(rd['peak'])} | {fmt_b(rv['peak'])} |")
-    lines.append(f"| peak RSS (ru_maxrss) | {fmt_b(rd['ru_maxrss'])} | {fmt_b(rv['ru_maxrss'])} |")
-    growth = {k: (r["peak"] - r["baseline"]) / r["batch_bytes"] for k, r in rss.items()}
-    lines.append(
-        f"| peak growth / batch size (target ≤ 2.5) | {growth['daskwg']:.2f}× | {growth['verl']:.2f}× |"
-    )
-    verdicts["rss"] = growth["daskwg"] <= 2.5
-    rss_table = "\n".join(lines)
-    lines = [
-        "| runtime start (not in any row above) | daskwg | verl |",
-        "|---|---|---|",
-        f"| `local_cluster(4)` + `Client` / `ray.init` | {fmt_s(d['extra']['runtime_start_s'])} | "
-        f"{fmt_s(v['extra']['runtime_start_s'])} |",
-    ]
-    start_table = "\n".join(lines)
-    return "\n\n".join([table, bytes_table, rss_table, start_table]), verdicts
+
+def pool_runs(runs: list[dict], name: str) -> dict | None:
+    """One system's samples and byte counts of every run together (for the data-plane table)."""
+    got = [run[name] for run in runs if run.get(name)]
+    if not got:
+        return None
+    samples: dict[str, list] = {}
+    extra: dict[str, dict] = {}
+    for res in got:
+        for key, values in res["samples"].items():
+            samples.setdefault(key, []).extend(values)
+        for key, e in res["extra"].items():
+            into = extra.setdefault(key, {})
+            for field, value in e.items():
+                if isinstance(value, list):
+                    into.setdefault(field, []).extend(value)
+                else:
+                    into.setdefault(field, value)
+    return {"samples": samples, "extra": extra}
+
+
+def assemble(runs: list[dict], res: dict, rss: dict) -> tuple[str, dict]:
+    """Every table of the report, in order, and every verdict."""
+    parts, verdicts = [], {}
+    if runs:
+        table, v = build_rows_report(runs)
+        parts += ["### Rows measured in every run", "", table]
+        verdicts.update(v)
+        d, vr = pool_runs(runs, "daskwg"), pool_runs(runs, "verl")
+        if d and any(k in d["samples"] for k in PLANE_KEYS):
+            table, v = build_plane_report(d, vr)
+            parts += ["", "### Data plane (all runs' samples together)", "", table]
+            verdicts.update(v)
+    if res or rss:
+        table, v = build_report(res, rss)
+        parts += ["", "### Measured once", "", table]
+        verdicts.update(v)
+    return "\n".join(parts), verdicts
 
 
 DISCUSSION = """\
@@ -743,20 +1694,65 @@ DISCUSSION = """\
 
 * One script, `benchmarks/run.py`; each system runs in its own driver subprocess, one
   after the other, and the peak-RSS case in one more fresh subprocess per system.
-* The worker class is the same code for both systems (`make_worker_class`), registered
-  with each system's `Worker`, `register` and `Dispatch`. daskwg runs on
-  `daskwg.local_cluster(4)` (a process `LocalCluster`, one thread per worker); verl on
-  `ray.init()` with `RayResourcePool([n], use_gpu=False)`, `RayClassWithInitArgs` and
-  `RayWorkerGroup`. Groups of 1, 2 and 4 ranks use the first 1, 2, 4 Dask workers / a
-  new placement group. Torch uses one thread in every driver.
-* Every timing is wall-clock time of the blocking group call in the driver, after one
-  warm-up call; medians and min–max over the repetitions in `REPS`.
-* Round trips: `DP_COMPUTE_PROTO` over a DataProto of float32 zeros; every rank adds 1
-  to its piece in place and returns it; the driver gets the concatenation back.
-* Chain: group A (`blocking=False`) produces a `[4096, 4096]` float32 DataProto from a
-  4096-row seed; group B (built on the same pool: same Dask workers / same Ray
-  placement group) consumes the returned future and returns one float per rank
-  (`DP_COMPUTE_METRIC`). The time covers both calls.
+* The worker classes are the same code for both systems (`make_worker_class`,
+  `make_plane_class`, `make_rows_class`), registered with each system's `Worker`,
+  `register`, `Dispatch` and `Execute`. daskwg runs on `daskwg.local_cluster(n)` (a
+  process `LocalCluster`, one thread per worker); verl on `ray.init()` with
+  `RayResourcePool([n], use_gpu=False)`, `RayClassWithInitArgs` and `RayWorkerGroup`.
+  Torch uses one thread in every driver.
+* **Rows measured in every run** (`--runs`, default 3): per run, the physical floors in
+  a subprocess of their own (`benchmarks/floors.py`), then one driver subprocess per
+  system (their order alternates from run to run) on 6 Dask workers / Ray actors: a
+  4-rank group, a 2-rank group on two other processes, a 1-rank group (on the 2-rank
+  group's first Dask worker; its own actor in Ray) and a second 2-rank group for the
+  union/select chain. Each cell is one median per run, after one warm-up; ratios are
+  taken within a run. The load average is read at the start and end of every run.
+  * *`blocking=False` call + gather*: a `ONE_TO_ALL` method registered
+    `blocking=False` returns one future per rank; the driver gathers them
+    (`daskwg.get` where daskwg has it, else `client.gather`; `ray.get`).
+  * *6-call chain*: generate → reward → advantage → log-prob → ref-log-prob → update,
+    all `DP_COMPUTE_PROTO` with `blocking=False`, each taking the previous call's
+    `DataProtoFuture` (16 rows, a few float columns, each stage adding one), the last
+    one gathered with `.get()` and checked.
+  * *8-call sequence*: 8 blocking `DP_COMPUTE` calls, each rank's counter passed back
+    in (0 → 8), time ÷ 8; the Ray Compiled Graph has the same shape (8 stages of
+    `tick.bind` on each of the 4 actors, each stage taking that actor's previous
+    output), compiled once with `experimental_compile()`, timed by `execute` + `ray.get`.
+    A `daskwg.plan` route (issue 22) and the plan form of the 6-call chain print n/a
+    until daskwg has plans and their routes are written (`seq_plan`, `chain6_plan`).
+  * *64 MiB DP round trip*: `DP_COMPUTE_PROTO` over `[4096, 4096]` float32, every rank
+    adds 1 in place and returns its piece. *reshard m→n*: a finished `DataProtoFuture`
+    of `[4096, 4096]` float32 + ids from the dp-m group consumed by the dp-n group
+    (`DP_COMPUTE_METRIC`, rows checked); "bytes": the most any consumer process
+    received over TCP against its share.
+  * *broadcast*: a 256 MiB state dict (32 float32 tensors, a `TensorDict` without batch
+    dimension) returned by the 1-rank group (`Execute.RANK_ZERO`, `blocking=False`) and
+    finished, then loaded by the 4 ranks (`ONE_TO_ALL`, each checks the version it got):
+    daskwg takes `DataProtoFuture.concat([future])`, verl the ObjectRef. "Source egress":
+    the bytes the source rank's process sent over TCP during the call (its `TCP_INFO`
+    counters, read by a method of the rank) ÷ 256 MiB.
+  * *weight sync*: the trainer (2 ranks, then 1) bumps its weights' version in place,
+    then every route moves them to the 4 rollout ranks and they check the version;
+    timed from `get_weights` until every rollout rank has loaded. Routes are functions
+    (`ws_*` in `benchmarks/run.py`); one not available in the installed daskwg prints
+    n/a with the reason. verl's Ray route: `get_weights` returns an ObjectRef (stored
+    once in the trainer's object store) passed to the rollout's `load_weights`, which
+    every actor resolves. Egress: the trainer ranks' processes and the driver process,
+    over TCP; the driver process also runs `local_cluster`'s scheduler, and the
+    through-the-driver route's gather (`client.gather`, Dask's default, not direct)
+    passes the weights from the scheduler to the client inside it, one more 1×.
+    Same-host Ray moves objects through shared memory, which no socket counter sees.
+  * *Floors*: see the floors table; every row's floor is named in its row. The
+    per-call rows use the raw Dask rpc round trip with the thread hop that daskwg's
+    contract requires (one round of it for a whole step: a plan's floor), the data
+    rows the loopback TCP throughput, broadcast and weight sync one point-to-point
+    transfer of 256 MiB into fresh memory.
+* **Measured once** (after the runs): round trips at 1, 2 and 4 ranks
+  (`DP_COMPUTE_PROTO`, every rank adds 1 in place and returns its piece), the chain
+  A→B (group A `blocking=False` produces `[4096, 4096]` float32 from a 4096-row seed,
+  group B on the same pool consumes the future, `DP_COMPUTE_METRIC`), group creation,
+  driver memory. Medians and min–max over the repetitions in `REPS`, after one
+  warm-up call.
 * Bytes through the driver: the sum of the kernel's `TCP_INFO` counters
   (`tcpi_bytes_received`, `tcpi_bytes_acked`) over every TCP socket the driver owns,
   taken before and after the chain (largest of the repetitions). Those count every byte
@@ -766,16 +1762,10 @@ DISCUSSION = """\
 * Driver memory: RSS polled every millisecond by a thread (and `ru_maxrss`) in a fresh
   process; "growth" is the peak minus the RSS just before the batch was created, so
   the batch itself counts as 1×.
-* Data plane (a separate driver subprocess per system, 6 Dask workers / Ray actors,
-  producers and consumers on different processes, a `[4096, 4096]` float32 batch):
-  *reshard m→n* times the consuming `DP_COMPUTE_METRIC` call on a finished
-  `DataProtoFuture` of a dp-`m` group, consumed by a dp-`n` group, and reports the most
-  any consumer process received over TCP (`TCP_INFO`, read by a method of the rank
-  itself) against its share of the batch; Ray can move objects between same-host
-  processes through shared memory, which no socket counter sees. *chain union/select*:
-  `produce` (`blocking=False`), `derive` on its output, the union of both selected to
-  `x, y, id` and consumed by a second group; daskwg composes the futures lazily, verl
-  (whose `DataProtoFuture` has no `union`/`select`) materialises both in the driver.
+* Data plane (from the runs' driver subprocesses): *chain union/select*: `produce`
+  (`blocking=False`), `derive` on its output, the union of both selected to `x, y, id`
+  and consumed by a second group; daskwg composes the futures lazily, verl (whose
+  `DataProtoFuture` has no `union`/`select`) materialises both in the driver.
   *driver round trip*: `echo_async(batch).get()`, with the bytes of task specs the Dask
   scheduler holds meanwhile. *view*: a rank returns `self.big[:16]` of a 1 GiB tensor,
   next to returning a 16-element clone.
@@ -785,13 +1775,31 @@ DISCUSSION = """\
   inside them. Starting the runtime itself is listed separately.
 """
 
+TARGETS_TEXT = (
+    "Issue 21: `blocking=False` call + gather ≤ 0.5× verl; 6-call chain ≤ 0.25×; ONE_TO_ALL small call "
+    "≤ 0.5×; 64 MiB DP round trip ≤ 0.25× in every run; reshard ≤ 0.5×; broadcast ≤ 0.75× with "
+    "source egress ≤ 1.25×. Issue 22: per call of an 8-call plan ≤ 0.25 ms and ≤ 0.15× verl; the "
+    "6-call step as a plan ≤ 3 ms and ≤ 0.1× verl. Issue 17: weight sync ≤ 1.5× one point-to-point "
+    "transfer with egress ≤ 1.25×. Measured once: small-call latency at 4 ranks ≤ 0.5× verl; 64 MiB "
+    "and 256 MiB round trips ≤ 0.25×; chain ≤ 0.25× with none of the batch passing through the "
+    "driver; group creation ≤ 1.0×; driver peak RSS growth ≤ 2.5× the batch during the 256 MiB "
+    "round trip."
+)
 
-def write_report(path: str, report: str, verdicts: dict, res: dict, mach: dict, wall: float) -> None:
-    versions = {**res["verl"]["versions"], **res["daskwg"]["versions"]}
-    numpy_v = __import__("numpy").__version__
-    versions["numpy"] = numpy_v
+
+def collect_versions(runs: list[dict], res: dict) -> dict:
+    versions: dict[str, str] = {}
+    for source in [*(run.get(n) for run in runs for n in ("verl", "daskwg")), *res.values()]:
+        if source and source.get("versions"):
+            versions.update(source["versions"])
+    versions["numpy"] = __import__("numpy").__version__
+    return versions
+
+
+def write_report(path: str, report: str, verdicts: dict, versions: dict, mach: dict, wall: float) -> None:
     ok = [k for k, v in verdicts.items() if v]
-    missed = [k for k, v in verdicts.items() if not v]
+    missed = [k for k, v in verdicts.items() if v is False]
+    na = [k for k, v in verdicts.items() if v is None]
     text = [
         "# Performance: daskwg vs verl's RayWorkerGroup",
         "",
@@ -811,13 +1819,13 @@ def write_report(path: str, report: str, verdicts: dict, res: dict, mach: dict, 
         "",
         "## Targets",
         "",
-        "Small-call latency at 4 ranks ≤ 0.5× verl; 64 MiB and 256 MiB round trips ≤ 0.25×; "
-        "chain ≤ 0.25× with none of the batch passing through the driver; group creation "
-        "≤ 1.0×; driver peak RSS growth ≤ 2.5× the batch during the 256 MiB round trip.",
+        TARGETS_TEXT,
         "",
-        f"Met: {', '.join(ok) or 'none'}.",
+        f"Met: {'; '.join(ok) or 'none'}.",
         "",
-        f"Missed: {', '.join(missed) or 'none'}.",
+        f"Missed: {'; '.join(missed) or 'none'}.",
+        "",
+        f"Not measurable in this daskwg (n/a): {'; '.join(na) or 'none'}.",
         "",
         DISCUSSION,
     ]
@@ -830,104 +1838,150 @@ def write_report(path: str, report: str, verdicts: dict, res: dict, mach: dict, 
 
 
 def spawn(args: list[str]) -> dict:
+    """Run this script with ``args`` in a fresh subprocess and return what it wrote."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
+    t = time.perf_counter()
     try:
         subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--out", out], check=True)
         with open(out) as f:
             return json.load(f)
     finally:
         os.unlink(out)
+        print(f"[bench]   ({time.perf_counter() - t:.0f} s)", flush=True)
+
+
+ALL_ROWS = (*ROW_FUNCTIONS, *ONCE)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _quick() -> None:
+    """Few repetitions and small sizes everywhere (a smoke test, not a measurement)."""
+    global PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES
+    for reps in (REPS, ROW_REPS):
+        for k in reps:
+            reps[k] = max(1, reps[k] // 20)
+    FLOOR_REPS.update(memcpy=2, tcp=2, rtt=50, rpc=20)
+    PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES = 1024, 1 << 24, 32 * MB, 16 * MB
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", metavar="PATH", help="write the markdown report here")
     parser.add_argument("--systems", default="daskwg,verl")
+    parser.add_argument(
+        "--rows",
+        default=",".join(ALL_ROWS),
+        help=f"comma-separated rows to run (default: all): {', '.join(ALL_ROWS)}",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs of the rows measured in every run")
+    parser.add_argument(
+        "--only-plane",
+        action="store_true",
+        help="only the data-plane rows (--rows " + ",".join(PLANE_ROWS_NAMES) + ")",
+    )
     parser.add_argument("--child", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--plane", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--only-plane", action="store_true", help="run only the data-plane cases (reshard, chain, views)"
-    )
+    parser.add_argument("--rows-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
-    parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="few repetitions, small sizes (smoke test)")
     parser.add_argument("--json", metavar="PATH", help="also save the raw samples here")
     parser.add_argument("--from-json", metavar="PATH", help="report from saved samples, run nothing")
     args = parser.parse_args()
     ranks = tuple(int(r) for r in args.ranks.split(","))
+    rows = list(PLANE_ROWS_NAMES) if args.only_plane else [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows) - set(ALL_ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose among {', '.join(ALL_ROWS)}")
     if args.quick:
-        global PLANE_ROWS, VIEW_ELEMENTS
-        for k in REPS:
-            REPS[k] = max(1, REPS[k] // 10)
-        for k in PLANE_REPS:
-            PLANE_REPS[k] = 1
-        PLANE_ROWS, VIEW_ELEMENTS = 1024, 1 << 24
+        _quick()
 
-    if args.child:
-        if args.plane:
-            result = run_plane_child(args.child)
+    if args.floors:
+        result = run_floors_child()
+    elif args.child:
+        if args.rows_child:
+            result = run_rows_child(args.child, rows)
         elif args.rss:
             result = run_rss_child(args.child, max(ranks))
         else:
             result = run_child(args.child, ranks)
+    if args.floors or args.child:
         with open(args.out, "w") as f:
             json.dump(result, f)
         return
 
-    t0 = time.time()
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        res, rss, wall = saved["results"], saved["rss"], saved["wall_s"]
-        report, verdicts = build_report(res, rss, saved["machine"])
-        if saved.get("plane"):
-            plane = saved["plane"]
-            table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
-            report += "\n\n" + table
-            verdicts.update(plane_verdicts)
+        runs, res, rss = saved.get("runs", []), saved.get("results", {}), saved.get("rss", {})
+        report, verdicts = assemble(runs, res, rss)
         print(report)
         if args.write:
-            write_report(args.write, report, verdicts, res, saved["machine"], wall)
+            versions = collect_versions(runs, res)
+            write_report(args.write, report, verdicts, versions, saved["machine"], saved["wall_s"])
         return
-    passthrough = ["--ranks", args.ranks] + (["--quick"] if args.quick else [])
+
+    t0 = time.time()
+    quick = ["--quick"] if args.quick else []
     systems = args.systems.split(",")
-    res, rss, plane = {}, {}, {}
-    for name in systems:
-        print(f"[bench] {name}: data plane", flush=True)
-        plane[name] = spawn(["--child", name, "--plane", *passthrough])
-    if args.only_plane:
-        table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
-        print(table)
-        print("\nmet:", plane_verdicts)
-        return
-    for name in systems:
-        print(f"[bench] {name}: timings", flush=True)
-        res[name] = spawn(["--child", name, *passthrough])
-        print(f"[bench] {name}: driver memory", flush=True)
-        rss[name] = spawn(["--child", name, "--rss", *passthrough])
+    per_run = [r for r in rows if r in ROW_FUNCTIONS]
+    runs: list[dict] = []
+    for i in range(args.runs if per_run else 0):
+        run: dict[str, Any] = {"load_start": _load()}
+        t_run = time.time()
+        print(f"[bench] run {i + 1}/{args.runs}: load average {run['load_start']}", flush=True)
+        print("[bench] physical floors", flush=True)
+        run["floors"] = spawn(["--floors", *quick])
+        for name in systems if i % 2 == 0 else systems[::-1]:
+            print(f"[bench] {name}: rows {','.join(per_run)}", flush=True)
+            run[name] = spawn(["--child", name, "--rows-child", "--rows", ",".join(per_run), *quick])
+        run["load_end"], run["wall_s"] = _load(), time.time() - t_run
+        print(
+            f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
+        )
+        runs.append(run)
+    res, rss = {}, {}
+    if any(r in ONCE for r in rows):
+        print(f"[bench] measured once: load average {_load()}", flush=True)
+        passthrough = ["--ranks", args.ranks, *quick]
+        for name in systems:
+            if "timings" in rows:
+                print(f"[bench] {name}: timings", flush=True)
+                res[name] = spawn(["--child", name, *passthrough])
+            if "rss" in rows:
+                print(f"[bench] {name}: driver memory", flush=True)
+                rss[name] = spawn(["--child", name, "--rss", *passthrough])
+        print(f"[bench] measured once: done, load average {_load()}", flush=True)
     mach = machine()
+    wall = time.time() - t0
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"results": res, "rss": rss, "plane": plane, "machine": mach, "wall_s": time.time() - t0}, f
-            )
+            json.dump({"runs": runs, "results": res, "rss": rss, "machine": mach, "wall_s": wall}, f)
     if set(systems) != {"daskwg", "verl"}:
         for name in systems:
-            for key, samples in res[name]["samples"].items():
-                print(f"{name:7s} {key:14s} {cell(samples)}")
-            r = rss[name]
-            print(f"{name:7s} rss growth/batch {(r['peak'] - r['baseline']) / r['batch_bytes']:.2f}")
+            for run in runs:
+                for key, samples in run[name]["samples"].items():
+                    print(f"{name:7s} {key:28s} {cell(samples)}")
+                for key, reason in run[name]["na"].items():
+                    print(f"{name:7s} {key:28s} n/a ({reason})")
+            for key, samples in res.get(name, {}).get("samples", {}).items():
+                print(f"{name:7s} {key:28s} {cell(samples)}")
         return
-    report, verdicts = build_report(res, rss, mach)
-    table, plane_verdicts = build_plane_report(plane["daskwg"], plane.get("verl"))
-    report += "\n\n" + table
-    verdicts.update(plane_verdicts)
+    report, verdicts = assemble(runs, res, rss)
     print(report)
-    print("\nmet:", {k: v for k, v in verdicts.items()})
-    if args.write:
-        write_report(args.write, report, verdicts, res, mach, time.time() - t0)
+    print("\nmet:", verdicts)
+    print(f"[bench] whole run {wall:.0f} s")
+    if args.write and (set(rows) != set(ALL_ROWS) or args.quick):
+        print(
+            f"[bench] not writing {args.write}: a subset of the rows or --quick ran (use --json to keep it)"
+        )
+    elif args.write:
+        write_report(args.write, report, verdicts, collect_versions(runs, res), mach, wall)
         print(f"[bench] wrote {args.write}")
 
 
