@@ -62,7 +62,9 @@ class Settings:
     @classmethod
     def current(cls) -> Settings:
         """The settings in force in this thread now (``dask.config.set`` blocks included)."""
-        config = dask.config.get("daskwg")
+        # Keys set through the environment (DASK_DASKWG__SHUTDOWN_TIMEOUT) may arrive spelt
+        # with underscores; dask.config.get accepts both spellings, so does this.
+        config = {key.replace("_", "-"): value for key, value in dask.config.get("daskwg").items()}
         timeout = config.get("call-timeout")
         return cls(
             poll_interval=float(config["poll-interval"]),

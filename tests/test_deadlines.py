@@ -538,12 +538,16 @@ def test_600_queued_non_blocking_calls_do_not_cost_a_thread_each(hclient, tmp_pa
         assert results == [i + r for i in range(600) for r in (0, 1)]
         assert wg._gather(blocker, "wait_for_file_async") == [True, True]
         # The queue is bounded: past daskwg.max-queued-calls a call waits for a place.
+        # The five held calls wait for a file, so none ends before the sixth asks (on a
+        # loaded machine five sleeps of 0.5 s could end while they are being submitted).
+        release = str(tmp_path / "release")
         with dask_config({"daskwg.max-queued-calls": 5}):
-            held = [wg.sleep_async(0.5) for _ in range(5)]
+            held = [wg.wait_for_file_async(release, 60) for _ in range(5)]
             with pytest.raises(CallTimeoutError, match="waiting for a place in the queue"):
                 with daskwg.deadline(0.2):
                     wg.add(0)
-            wg._gather([f for pair in held for f in pair], "sleep_async")
+            open(release, "w").close()
+            wg._gather([f for pair in held for f in pair], "wait_for_file_async")
 
 
 def _hosted_group_ids(client: Client) -> set:
