@@ -164,8 +164,8 @@ class BatchDimsError(WorkerGroupError, ValueError, AssertionError):
 class ConflictError(WorkerGroupError, ValueError, AssertionError):
     """Two sources hold different values under a key that must agree.
 
-    Raised by ``DataProto.union`` and :func:`daskwg.protocol.union_tensor_dict` /
-    :func:`~daskwg.protocol.union_numpy_dict` when a shared key holds different values.
+    Raised by ``DataProto.union`` and [`daskwg.protocol.union_tensor_dict`][daskwg.protocol.union_tensor_dict]
+    / [`union_numpy_dict`][daskwg.protocol.union_numpy_dict] when a shared key holds different values.
     It is also an ``AssertionError`` because verl ``assert``s in these places, so ported
     code that catches verl's type keeps working; new code should catch ``ConflictError``
     (or ``ValueError``).

@@ -41,15 +41,15 @@ class WorkerGroup(BoundGroup):
 
     Args:
         client: a connected ``distributed.Client`` (synchronous).
-        cls_or_cls_with_init: the Worker class, or a :class:`ClassWithInitArgs`.
+        cls_or_cls_with_init: the Worker class, or a [`ClassWithInitArgs`][daskwg.ClassWithInitArgs].
         world_size: number of ranks (``None``: every worker of the cluster or pool).
-        workers: a :class:`ResourcePool` or worker addresses/names to use.
+        workers: a [`ResourcePool`][daskwg.ResourcePool] or worker addresses/names to use.
         resources: Dask worker resources each chosen worker must offer.
         name: the group's name (dashboard keys, attach); default ``<Class>-<id>``.
         worker_env: extra environment variables (``str -> str``) for every rank.
         master_port: the ``MASTER_PORT`` to use (else one is reserved on rank 0's host).
         detached: keep the group alive after this client closes; reattach with
-            :meth:`attach`. Needs ``name``.
+            [`attach`][daskwg.WorkerGroup.attach]. Needs ``name``.
 
     Raises:
         TypeError: arguments of the wrong type.
@@ -59,10 +59,10 @@ class WorkerGroup(BoundGroup):
         RankError: the class's ``__init__`` raised on a rank (nothing is left on the
             other ranks).
 
-    Every method of the class marked with :func:`daskwg.register` becomes an attribute
+    Every method of the class marked with [`daskwg.register`][daskwg.register] becomes an attribute
     of the group that dispatches, executes and collects as its mode says. Mirrors
     verl's ``RayWorkerGroup``. A non-detached group that is garbage-collected without
-    :meth:`shutdown` releases its ranks, as a Ray actor dies with its last handle.
+    [`shutdown`][daskwg.WorkerGroup.shutdown] releases its ranks, as a Ray actor dies with its last handle.
     """
 
     #: ``WG_PREFIX`` of verl's rank variables on every rank (``daskwg.verl``'s groups set
@@ -214,7 +214,7 @@ class WorkerGroup(BoundGroup):
 
     @property
     def name(self) -> str:
-        """The group's name (used in task keys and by :meth:`attach`)."""
+        """The group's name (used in task keys and by [`attach`][daskwg.WorkerGroup.attach])."""
         return self._name
 
     @property
@@ -248,12 +248,12 @@ class WorkerGroup(BoundGroup):
         return spawn_role_groups(self, prefix_set)
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
-        """Set every role group of :meth:`spawn` as an attribute: ``wg.actor.add(data)``
+        """Set every role group of [`spawn`][daskwg.WorkerGroup.spawn] as an attribute: ``wg.actor.add(data)``
         (verl's ``RayWorkerGroup.fuse``).
 
         Raises:
             ValueError: a role name clashes with an attribute of the group.
-            TypeError, ValueError: as :meth:`spawn`.
+            TypeError, ValueError: as [`spawn`][daskwg.WorkerGroup.spawn].
         """
         role_groups = self.spawn(prefix_set)
         for role in role_groups:
@@ -324,7 +324,7 @@ class WorkerGroup(BoundGroup):
         Works on a broken group too (surviving ranks are destroyed). Returns within
         about ``daskwg.shutdown-timeout`` seconds (10 s) even when a rank is stuck: a
         rank still busy then (a call that never returns, a frozen process) destroys its
-        object when that call ends. Later calls raise :class:`GroupBrokenError`.
+        object when that call ends. Later calls raise [`GroupBrokenError`][daskwg.GroupBrokenError].
         """
         if self._closed:
             return

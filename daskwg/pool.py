@@ -117,7 +117,7 @@ class ResourcePool:
         ValueError: an unknown worker address/name, duplicates, or a bad ``world_size``.
         TypeError: arguments of the wrong type.
 
-    Mirrors verl's ``RayResourcePool``; :meth:`split` mirrors ``split_resource_pool``.
+    Mirrors verl's ``RayResourcePool``; [`split`][daskwg.ResourcePool.split] mirrors ``split_resource_pool``.
     """
 
     def __init__(
