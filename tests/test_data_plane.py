@@ -381,6 +381,40 @@ def test_sparse_tensors_of_any_size_travel(plane, blocking):
         group.shutdown()
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_expanded_and_channels_last_tensors_keep_their_strides_and_travel_as_their_memory(plane, blocking):
+    client, pool = plane
+    (group,) = groups(client, pool, [1], Stateful)
+    try:
+        expanded = torch.zeros(1, 64).expand(1_000_000, 64)  # 256 MB if materialised
+        before = tcp_bytes_received()
+        (out,) = group.same(expanded) if blocking else client.gather(group.same_async(expanded))
+        got = tcp_bytes_received() - before
+        print(
+            f"\n[codec] an expand()-ed 1,000,000 x 64 float tensor there and back: {got} bytes to the driver"
+        )
+        assert got < 64 * 1024, got
+        assert out.shape == (1_000_000, 64) and out.stride() == (0, 1) and torch.equal(out[-1], expanded[-1])
+        channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        (out,) = group.same(channels_last) if blocking else client.gather(group.same_async(channels_last))
+        assert out.is_contiguous(memory_format=torch.channels_last) and out.stride() == channels_last.stride()
+        assert torch.equal(out, channels_last)
+        transposed = torch.arange(12.0).reshape(3, 4).t()
+        (out,) = group.same(transposed) if blocking else client.gather(group.same_async(transposed))
+        assert out.stride() == (1, 4) and torch.equal(out, transposed)
+    finally:
+        group.shutdown()
+
+
+def test_a_strided_slice_still_travels_as_its_own_elements_only():
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    every_other = big[::2]  # reaches all of big's storage: copied to its own 2 MiB
+    packed = serialization.dumps(every_other)
+    assert packed.nbytes < (1 << 21) + 1024
+    assert torch.equal(serialization.loads(packed), every_other)
+
+
 def test_dask_sizeof_sees_the_bytes_of_data_protos_and_tensordicts():
     data = DataProto.from_dict({"x": torch.zeros(4, MiB // 4)}, non_tensors={"s": np.arange(4)})
     assert sizeof(data) >= 4 * MiB
