@@ -83,6 +83,27 @@ def test_each_consumer_rank_receives_only_its_rows_when_dp_sizes_differ(plane, m
         consumers.shutdown()
 
 
+@pytest.mark.timeout(600)
+def test_a_future_shorter_than_the_consuming_group_is_padded_as_the_same_rows_in_the_driver(plane):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 3], Producer, Consumer)
+    try:
+        future = producers.make(seed(2, 4))  # 2 rows, one per producing rank
+        in_driver = future.get()
+        # Every consuming rank gets the rows the driver's padding gives it: 2 rows padded to 3.
+        assert [o["ids"] for o in consumers.summary(future)] == [[0], [1], [0]]
+        assert [o["ids"] for o in consumers.summary(in_driver)] == [[0], [1], [0]]
+        # The padding row is taken off the output on both paths, blocking or not.
+        assert consumers.ids(future).batch["id"].tolist() == [0, 1]
+        assert consumers.ids(in_driver).batch["id"].tolist() == [0, 1]
+        later = consumers.ids_async(future)
+        assert later.get().batch["id"].tolist() == [0, 1]
+        assert producers.echo(later).batch["id"].tolist() == [0, 1]  # and its parts feed the next call
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
 # --------------------------------------------------------------------- lazy algebra
 
 

@@ -52,7 +52,7 @@ from . import rows
 from .calls import CallTable
 from .exceptions import picklable, rank_error, with_message
 from .process_group import ProcessGroups
-from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot
+from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot, strip_padding
 from .rank_loop import install_signal_shim, rank_thread, task_stack
 from .sequencer import Sequencer
 
@@ -433,13 +433,14 @@ class HostPlugin(WorkerPlugin):
     def _invoke(self, call: Call, payload: tuple, lazy_values: list | None) -> Any:
         hosted = self._lookup(call)
         args, kwargs = payload
+        padding = 0
         if lazy_values is not None:
-            args, kwargs = resolve_inputs(call, args, kwargs, lazy_values, self.worker)
+            args, kwargs, padding = resolve_inputs(call, args, kwargs, lazy_values, self.worker)
         self._process_groups.check(call, hosted.world_size, hosted.check_process_group)
         self._env.apply(hosted.env)
         rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
         try:
-            result = hosted.call(call, args, kwargs)
+            result = strip_padding(hosted.call(call, args, kwargs), padding)
         finally:
             self._process_groups.note(call, hosted.world_size)
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
