@@ -17,6 +17,7 @@ __all__ = [
     "BatchDimsError",
     "WorkerPausedError",
     "CallTimeoutError",
+    "VersionMismatchError",
 ]
 
 
@@ -340,3 +341,13 @@ class CallTimeoutError(WorkerGroupError, TimeoutError):
 
     def __reduce__(self):
         return (type(self), (self.method, self.timeout, self.ranks, self.stacks, self.message))
+
+
+class VersionMismatchError(WorkerGroupError):
+    """The driver and a worker run versions of daskwg (or torch) that cannot work together.
+
+    Raised when a group is built, before any rank object exists, naming both versions:
+    a different daskwg release (``major.minor``), a different torch major version, or a
+    different wire format (the layout of the calls daskwg sends). Install the same daskwg
+    wheel (and torch) in the driver's and every worker's environment.
+    """
