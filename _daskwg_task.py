@@ -7,14 +7,20 @@ daskwg function to run as a ``"module:function"`` string that only the worker im
 and every argument is plain data (or a Dask future, which Dask resolves on the worker).
 It is a coroutine function, so Dask runs the task on the worker's event loop and a call
 waiting for its turn on the rank holds no thread.
+
+The module is also the Dask preload (:func:`dask_setup`) of the worker processes
+``daskwg.local_cluster()`` starts: it must not import torch either, since it runs before
+the worker registers with its scheduler.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import signal
+import threading
 
-__all__ = ["run"]
+__all__ = ["run", "dask_setup"]
 
 
 async def run(target: str, *args):
@@ -33,3 +39,16 @@ async def run(target: str, *args):
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+def dask_setup(worker) -> None:
+    """Dask's preload hook (``preload=["_daskwg_task"]``): the worker process ignores SIGINT.
+
+    The worker processes of a local cluster are in the driver's process group, so a
+    Ctrl-C in the driver's terminal reaches them too and kills them (their next calls
+    would raise ``WorkerLostError``). As Ray's workers do, they let the driver alone
+    handle it: the driver gets its ``KeyboardInterrupt``, the ranks and their state stay.
+    The Nanny still stops them (through its stop queue, or SIGTERM).
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

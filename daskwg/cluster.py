@@ -43,6 +43,10 @@ RANK_WORKER_CONFIG: dict[str, Any] = {
     "distributed.worker.memory.spill": False,
 }
 
+#: The preload module ``local_cluster()`` adds to its workers: they ignore SIGINT, so a
+#: Ctrl-C in the driver's terminal (whose process group they share) leaves them running.
+SIGINT_PRELOAD = "_daskwg_task"
+
 
 def _worker_config(user_config: dict | None) -> dict:
     """The workers' Dask config: this process's, with :data:`RANK_WORKER_CONFIG` for
@@ -55,6 +59,18 @@ def _worker_config(user_config: dict | None) -> dict:
     # Nanny merges config= into its own copy of dask.config key by key, not deeply: hand
     # it the whole configuration, merged here.
     return dask.config.merge(dask.config.config, chosen, user_config or {})
+
+
+def _with_sigint_preload(kwargs: dict) -> None:
+    """Add :data:`SIGINT_PRELOAD` to the workers' preloads (the caller's ``preload=``, or
+    ``distributed.worker.preload``, which an explicit ``preload=`` would replace)."""
+    preload = kwargs.get("preload")
+    if preload is None:
+        preload = dask.config.get("distributed.worker.preload", default=[])
+    preload = [preload] if isinstance(preload, str) else list(preload)
+    if SIGINT_PRELOAD not in preload:
+        preload.append(SIGINT_PRELOAD)
+    kwargs["preload"] = preload
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -70,6 +86,10 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
     ``dask_cuda.LocalCUDACluster`` (one worker per GPU, each with a rotated
     ``CUDA_VISIBLE_DEVICES``). Otherwise a process-based ``distributed.LocalCluster``
     with one thread per worker.
+
+    The worker processes ignore SIGINT: they share the driver's process group, so a
+    Ctrl-C in its terminal would kill them too; the driver alone gets the
+    ``KeyboardInterrupt`` and the ranks keep their state (as Ray's workers do).
 
     Args:
         n_workers: number of worker processes (default: one per GPU, or one per core
@@ -92,10 +112,12 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
             if n_workers is not None:
                 kwargs.setdefault("n_workers", n_workers)
             kwargs["config"] = _worker_config(kwargs.get("config"))
+            _with_sigint_preload(kwargs)
             return LocalCUDACluster(**kwargs)
     kwargs.setdefault("processes", True)
     if kwargs["processes"]:
         kwargs["config"] = _worker_config(kwargs.get("config"))
+        _with_sigint_preload(kwargs)
     kwargs.setdefault("threads_per_worker", 1)
     if n_workers is not None:
         kwargs["n_workers"] = n_workers

@@ -4,8 +4,12 @@
 dtype, shape, device and one flat byte buffer (a ``pickle.PickleBuffer``, sent out of
 band by pickle protocol 5: no copy for a contiguous CPU tensor). A view carries only its
 own elements, never its base storage (torch's own pickling writes the whole storage);
-any dtype travels (the bytes are reinterpreted, not converted: bf16, fp8); sparse tensors
-(COO and compressed) travel as their index and value tensors. Both daskwg's pickler
+a tensor whose strides reach no more memory than it has elements (an ``expand``-ed
+tensor with stride 0, channels-last and other permuted layouts) travels as that memory
+and its strides, as torch pickles it, so it arrives with the same strides and memory
+format and is never materialised; any dtype travels (the bytes are reinterpreted, not
+converted: bf16, fp8); sparse tensors (COO and compressed) travel as their index and
+value tensors. Both daskwg's pickler
 (``daskwg.serialization``) and plain ``pickle`` of a ``DataProto``
 (:func:`tensordict_state`) use it.
 """
@@ -77,25 +81,45 @@ def received(t: torch.Tensor) -> bool:
     return ref is not None and ref() is t
 
 
-def rebuild_tensor(dtype: str, shape: tuple, device: str, requires_grad: bool, buf: Any) -> torch.Tensor:
+def rebuild_tensor(
+    dtype: str, shape: tuple, device: str, requires_grad: bool, buf: Any, stride: tuple | None = None
+) -> torch.Tensor:
     """The tensor :func:`reduce_tensor` took apart, on ``buf``'s memory (writable: a
-    read-only buffer is copied once); on ``device`` when this process has it, else on CPU."""
+    read-only buffer is copied once); on ``device`` when this process has it, else on CPU.
+
+    ``stride`` (elements per dimension) comes with a tensor that travelled as the memory
+    its strides reach (an expanded or permuted layout): it is rebuilt with those strides;
+    ``None``: contiguous."""
     torch_dtype = getattr(torch, dtype)
     if not shape or all(shape):
         flat = torch.frombuffer(_writable(buf), dtype=torch_dtype)
         # set_ rather than reshape: a view would keep ``flat`` as its ``_base``, and
         # snapshot() takes tensors with a base as shared.
-        t = torch.empty(0, dtype=torch_dtype).set_(flat.untyped_storage(), 0, shape)
+        layout = (shape,) if stride is None else (shape, stride)
+        t = torch.empty(0, dtype=torch_dtype).set_(flat.untyped_storage(), 0, *layout)
         del flat
         key = id(t)
         _RECEIVED[key] = weakref.ref(t, lambda _, key=key: _RECEIVED.pop(key, None))
     else:
         t = torch.empty(shape, dtype=torch_dtype)
     if device != "cpu" and device_available(device):
-        t = t.to(device)
+        # Tensor.to keeps dense strides (channels-last) but not overlapping ones (stride
+        # 0): move the memory the strides reach, then lay the strides on it again.
+        t = t.to(device) if stride is None else _to_device_strided(t, device)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage that ``t``'s shape and strides reach from its first element
+    (torch's strides are never negative)."""
+    return 1 + sum((size - 1) * step for size, step in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _to_device_strided(t: torch.Tensor, device: str) -> torch.Tensor:
+    memory = torch.as_strided(t, (_span(t),), (1,)).to(device)
+    return torch.as_strided(memory, tuple(t.shape), tuple(t.stride()))
 
 
 def _rebuild_sparse_coo(indices: torch.Tensor, values: torch.Tensor, shape: tuple, coalesced: bool, rg: bool):
@@ -138,6 +162,8 @@ def reduce_tensor(t: torch.Tensor, copy: bool) -> Any:
         return NotImplemented  # torch's own pickling
     device = str(t.device)
     data = t.detach()
+    if _travels_strided(data):
+        return _reduce_strided(data, device, rg, copy)
     fresh = False
     if data.device.type != "cpu":
         data, fresh = data.cpu(), True
@@ -153,6 +179,36 @@ def reduce_tensor(t: torch.Tensor, copy: bool) -> Any:
         device,
         rg,
         pickle.PickleBuffer(flat.numpy()),
+    )
+
+
+def _travels_strided(t: torch.Tensor) -> bool:
+    """Whether ``t`` travels as the memory its strides reach, with its strides: a
+    non-contiguous layout that reaches no more elements than it has (stride-0
+    ``expand``, channels-last, transposes). A strided slice of a larger tensor reaches
+    more than its own elements: it travels contiguous, carrying only its own bytes."""
+    return (
+        t.numel() > 0
+        and not t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and _span(t) <= t.numel()
+    )
+
+
+def _reduce_strided(t: torch.Tensor, device: str, rg: bool, copy: bool) -> Any:
+    memory = torch.as_strided(t, (_span(t),), (1,))
+    if memory.device.type != "cpu":
+        memory = memory.cpu()
+    elif copy:
+        memory = memory.clone()
+    return rebuild_tensor, (
+        _dtype_name(t.dtype),
+        tuple(t.shape),
+        device,
+        rg,
+        pickle.PickleBuffer(memory.view(torch.uint8).numpy()),
+        tuple(t.stride()),
     )
 
 

@@ -33,13 +33,13 @@ class ColocatedWorker(Worker):
     """One rank that hosts several roles (verl's ``WorkerDict`` / ``FusedWorker``).
 
     Args:
-        roles: role name → :class:`ClassWithInitArgs` (or a class). Every role is
+        roles: role name → [`ClassWithInitArgs`][daskwg.ClassWithInitArgs] (or a class). Every role is
             instantiated here, in order, after ``Worker.__init__`` read the rank's
             environment, so each role instance sees the same ``RANK``/``WORLD_SIZE``/...
 
     Attributes:
         fused_worker_dict: role name → role instance. Role instances that are
-            :class:`Worker` objects share this dict, so a role reaches another with
+            [`Worker`][daskwg.Worker] objects share this dict, so a role reaches another with
             ``self.get_fused_worker_by_name("critic")`` (as in verl).
 
     ``instance.<role>`` is the role instance and ``instance.<role>_<method>`` its method
@@ -126,15 +126,16 @@ def create_colocated_worker_cls(class_dict: Mapping[str, type | ClassWithInitArg
     """The class of a group whose every rank hosts all roles of ``class_dict``.
 
     Args:
-        class_dict: role name → role class or :class:`ClassWithInitArgs` (its init
+        class_dict: role name → role class or [`ClassWithInitArgs`][daskwg.ClassWithInitArgs] (its init
             arguments are used for that role on every rank).
 
     Returns:
-        ``ClassWithInitArgs(ColocatedWorker, roles)``: pass it to :class:`WorkerGroup`,
+        ``ClassWithInitArgs(ColocatedWorker, roles)``: pass it to [`WorkerGroup`][daskwg.WorkerGroup],
         then ``wg.spawn(class_dict.keys())`` or ``wg.fuse(class_dict.keys())``.
 
     Raises:
-        ValueError, TypeError: as :class:`ColocatedWorker`, checked here in the driver.
+        ValueError, TypeError: as [`ColocatedWorker`][daskwg.colocate.ColocatedWorker], checked here in the
+            driver.
 
     Mirrors verl's ``create_colocated_worker_cls`` (role methods are reached as
     ``"<role>_<method>"`` on each rank, as verl's ``{prefix}_{method}``).

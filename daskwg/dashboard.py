@@ -301,8 +301,8 @@ def _seconds(value: float | None) -> str:
 
 
 def render_html(snapshot: dict, refresh: float = 2.0, json_href: str = "daskwg/json") -> str:
-    """The ``/daskwg`` page for one :meth:`DashboardPlugin.snapshot`; it reloads itself
-    every ``refresh`` seconds (``0``: never) and links to the JSON at ``json_href``."""
+    """The ``/daskwg`` page for one [`DashboardPlugin.snapshot`][daskwg.dashboard.DashboardPlugin.snapshot];
+    it reloads itself every ``refresh`` seconds (``0``: never) and links to the JSON at ``json_href``."""
     e = html.escape
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>daskwg: worker groups</title>",

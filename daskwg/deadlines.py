@@ -55,12 +55,12 @@ def deadline(seconds: float) -> Iterator[Limit]:
     Args:
         seconds: the budget, counted from entering the block (a positive number).
     Yields:
-        the :class:`Limit` in force.
+        the ``Limit`` in force.
     Raises:
         TypeError, ValueError: ``seconds`` is not a positive number.
 
     A call still waiting when the block's time is up raises
-    :class:`daskwg.CallTimeoutError` naming the ranks that are done, running (with their
+    [`daskwg.CallTimeoutError`][daskwg.CallTimeoutError] naming the ranks that are done, running (with their
     stacks), queued, unresponsive or lost. Blocks nest; the innermost wins (also over a
     method's ``@register(timeout=...)``). Other threads are not affected. Like
     ``trio.fail_after`` / ``asyncio.timeout``, but for daskwg's waits only.

@@ -163,8 +163,8 @@ class Dispatch(_ExtensibleEnum):
     - ``DP_COMPUTE_METRIC``: split like ``DP_COMPUTE_PROTO``; the result is the list of
       per-rank outputs (nothing is unpadded).
 
-    Add members with :func:`register_dispatch_mode` (or ``Dispatch.register(name)`` plus
-    :func:`update_dispatch_mode`).
+    Add members with [`register_dispatch_mode`][daskwg.register_dispatch_mode] (or ``Dispatch.register(name)``
+    plus [`update_dispatch_mode`][daskwg.update_dispatch_mode]).
     """
 
     __slots__ = ()
@@ -298,7 +298,8 @@ def update_dispatch_mode(
 
     Raises:
         TypeError: ``dispatch_mode`` is not a Dispatch member, or a function is not callable.
-        ValueError: the mode has no functions registered yet (use :func:`register_dispatch_mode`).
+        ValueError: the mode has no functions registered yet (use
+            [`register_dispatch_mode`][daskwg.register_dispatch_mode]).
     """
     if not isinstance(dispatch_mode, Dispatch):
         raise TypeError(f"dispatch_mode must be a Dispatch member, got {type(dispatch_mode).__name__}")
@@ -384,22 +385,22 @@ def register(
     """Mark a Worker method to be bound on worker groups (verl's ``register``).
 
     Args:
-        dispatch_mode: a :class:`Dispatch` member, or ``{"dispatch_fn": f, "collect_fn": g}``
-            (see :func:`make_nd_compute_dataproto_dispatch_fn`); verl's ``Dispatch``
-            members are taken as daskwg's of the same name.
-        execute_mode: :class:`Execute` ``ALL`` or ``RANK_ZERO`` (verl's members too).
+        dispatch_mode: a [`Dispatch`][daskwg.Dispatch] member, or ``{"dispatch_fn": f, "collect_fn": g}``
+            (see [`make_nd_compute_dataproto_dispatch_fn`][daskwg.make_nd_compute_dataproto_dispatch_fn]);
+            verl's ``Dispatch`` members are taken as daskwg's of the same name.
+        execute_mode: [`Execute`][daskwg.Execute] ``ALL`` or ``RANK_ZERO`` (verl's members too).
         blocking: ``True``: the group call returns the collected result; ``False``: it returns
             futures (a ``DataProtoFuture`` for the ``DP_COMPUTE_PROTO`` family).
         materialize_futures: when the method runs, ``DataProtoFuture`` arguments are replaced
             by the data they stand for (``.get()``).
         timeout: seconds a blocking group call of this method may wait for its ranks
-            before it raises :class:`daskwg.CallTimeoutError`; an enclosing
+            before it raises [`daskwg.CallTimeoutError`][daskwg.CallTimeoutError]; an enclosing
             ``daskwg.deadline`` block takes precedence; ``None``: that block, else
             ``daskwg.call-timeout``. Not in verl (its calls have no deadline).
 
     The decorated method stays an ordinary method: calling it on an instance runs it in
     this process (after materialising futures); ``async def`` methods stay coroutine
-    functions. The mark is one attribute holding a :class:`RegisteredMethod`.
+    functions. The mark is one attribute holding a ``RegisteredMethod``.
 
     Raises:
         TypeError: an argument has the wrong type (including ``@register`` written without

@@ -345,8 +345,12 @@ def dispatch_dp_compute_data_proto(
     Every argument must be a ``DataProto``, ``TensorDict`` or ``DataProtoFuture``. The
     DataProto and TensorDict arguments, which must all have the same length ``L``, are padded
     to ``L + pad`` rows (a multiple of ``world_size``, rows repeated from the start) and split
-    into ``world_size`` equal pieces. DataProtoFutures (length unknown in the driver) are
-    split with their own ``chunk`` and are not padded. ``kwargs[PADDING_SIZE_KEY] = pad``.
+    into ``world_size`` equal pieces. DataProtoFutures are cut the same way on the consuming
+    ranks (:meth:`DataProtoFuture.padded_chunk`), so 2 rows feed 3 ranks on both paths: with
+    DataProto or TensorDict arguments beside them, padded by as many rows, which the driver
+    takes off; alone (their length is not known in the driver), each rank takes its padding
+    rows off its own output. A future whose parts are already one per rank is handed over
+    part by part. ``kwargs[PADDING_SIZE_KEY] = pad``.
 
     Unlike verl, padding is always on: verl pads only when ``DataProtoConfig.auto_padding``
     (or the DataProto's own flag) is set and otherwise requires ``L % world_size == 0``. The
@@ -368,6 +372,8 @@ def dispatch_dp_compute_data_proto(
     def pad_and_split(label: str, value: Any) -> list[Any]:
         if _num_rows(value) is not None:
             value, _ = pad_rows(value, n)
+        elif isinstance(value, DataProtoFuture):
+            return value.padded_chunk(n, strip=length is None, keep_parts=length is None)
         return _split_batch(label, value, n)
 
     split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))

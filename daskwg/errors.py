@@ -17,6 +17,7 @@ __all__ = [
     "BatchDimsError",
     "WorkerPausedError",
     "CallTimeoutError",
+    "VersionMismatchError",
 ]
 
 
@@ -164,8 +165,8 @@ class BatchDimsError(WorkerGroupError, ValueError, AssertionError):
 class ConflictError(WorkerGroupError, ValueError, AssertionError):
     """Two sources hold different values under a key that must agree.
 
-    Raised by ``DataProto.union`` and :func:`daskwg.protocol.union_tensor_dict` /
-    :func:`~daskwg.protocol.union_numpy_dict` when a shared key holds different values.
+    Raised by ``DataProto.union`` and [`daskwg.protocol.union_tensor_dict`][daskwg.protocol.union_tensor_dict]
+    / [`union_numpy_dict`][daskwg.protocol.union_numpy_dict] when a shared key holds different values.
     It is also an ``AssertionError`` because verl ``assert``s in these places, so ported
     code that catches verl's type keeps working; new code should catch ``ConflictError``
     (or ``ValueError``).
@@ -340,3 +341,13 @@ class CallTimeoutError(WorkerGroupError, TimeoutError):
 
     def __reduce__(self):
         return (type(self), (self.method, self.timeout, self.ranks, self.stacks, self.message))
+
+
+class VersionMismatchError(WorkerGroupError):
+    """The driver and a worker run versions of daskwg (or torch) that cannot work together.
+
+    Raised when a group is built, before any rank object exists, naming both versions:
+    a different daskwg release (``major.minor``), a different torch major version, or a
+    different wire format (the layout of the calls daskwg sends). Install the same daskwg
+    wheel (and torch) in the driver's and every worker's environment.
+    """

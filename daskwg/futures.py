@@ -28,10 +28,12 @@ from tensordict import TensorDictBase
 
 from . import foreign
 from .errors import ConcatError
+from .pieces import PAD, STRIP, chunk_bounds, piece_rows, trailing_padding
 from .protocol import DataProto, concat_tensordicts, unpad_rows
 
 __all__ = [
     "DataProtoFuture",
+    "padding_of",
     "concat_parts",
     "materialize",
     "evaluate",
@@ -57,24 +59,6 @@ def concat_parts(parts: list) -> Any:
         return concat_tensordicts(list(parts))
     kinds = sorted({type(p).__name__ for p in parts})
     raise TypeError(f"a DataProtoFuture must resolve to DataProto or TensorDict parts, got {kinds}")
-
-
-def chunk_bounds(rows: int, index: int, chunks: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of piece ``index`` when ``rows`` rows are cut into
-    ``chunks`` pieces as :meth:`DataProto.chunk` cuts them (the first ``rows % chunks``
-    pieces one row longer).
-
-    Raises:
-        ValueError: fewer rows than pieces.
-    """
-    if rows < chunks:
-        raise ValueError(
-            f"cannot split {rows} rows into {chunks} non-empty chunks; the consuming group has more ranks "
-            "than the batch has rows"
-        )
-    base, extra = divmod(rows, chunks)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
 
 
 def _take_chunk(data: Any, *, index: int, chunks: int) -> Any:
@@ -147,7 +131,8 @@ class DataProtoFuture:
         ranks: the producing rank of each future (``None``: ``0..len(futures)-1``).
         ops: lazy operations (``union``/``select``/``repeat``/``rename``) applied, in
             order, after collection and unpadding.
-        rows: ``(index, chunks)``: this future is piece ``index`` of :meth:`chunk`.
+        rows: ``(index, chunks)``: this future is piece ``index`` of [`chunk`][daskwg.DataProtoFuture.chunk];
+            ``(index, chunks, PAD | STRIP)``: of [`padded_chunk`][daskwg.DataProtoFuture.padded_chunk].
 
     Returned by non-blocking ``DP_COMPUTE_PROTO`` (and mesh) calls. ``get()``
     materialises it in the driver; passing it to another group's call moves the data
@@ -162,7 +147,7 @@ class DataProtoFuture:
     method: str | None = None
     ranks: Sequence[int] | None = None
     ops: tuple = ()
-    rows: tuple[int, int] | None = None
+    rows: tuple | None = None
 
     @staticmethod
     def concat(futures: Sequence[Any]) -> DataProtoFuture:
@@ -279,6 +264,19 @@ class DataProtoFuture:
             return [replace(self, futures=[f], ranks=[r]) for f, r in zip(self.futures, ranks)]
         return [replace(self, rows=(i, chunks)) for i in range(chunks)]
 
+    def padded_chunk(self, chunks: int, strip: bool, keep_parts: bool = True) -> list[DataProtoFuture]:
+        """[`chunk`][daskwg.DataProtoFuture.chunk] as ``DP_COMPUTE_PROTO`` cuts a batch in the driver:
+        padded to a multiple of ``chunks`` rows (rows repeated from the start), so 2 rows feed 3 ranks.
+        ``strip``: each consuming rank takes its padding off its own output, else the
+        driver does (it padded its own batches alike). ``keep_parts``: parts that are one
+        per piece are the pieces (no rows move)."""
+        pieces = self.chunk(chunks)
+        if pieces[0].rows is None:
+            if keep_parts:
+                return pieces
+            pieces = [replace(self, rows=(i, chunks)) for i in range(chunks)]
+        return [replace(p, rows=(*p.rows, STRIP if strip else PAD)) for p in pieces]
+
     # ---- evaluation ------------------------------------------------------------------
 
     @property
@@ -336,7 +334,7 @@ class DataProtoFuture:
         """Materialise the value in the driver.
 
         Raises the producing call's error (``RankError``, ``WorkerLostError``) if it
-        failed; :class:`~daskwg.errors.ConcatError` naming the method, the field and
+        failed; [`ConcatError`][daskwg.ConcatError] naming the method, the field and
         each rank when the ranks' outputs cannot be concatenated; ``KeyError``/``ValueError``
         as the eager ``DataProto`` operations would.
         """
@@ -402,11 +400,11 @@ def evaluate(plan: tuple, lengths: list[int], metas: list, fetch: Callable[[int,
         ``rows[0]`` of ``rows[1]`` as ``DataProto.chunk`` would cut it.
     """
     n = _plan_length(plan, lengths)
-    if plan[2] is None:
-        start, stop = 0, n
-    else:
-        start, stop = chunk_bounds(n, *plan[2])
-    return _eval(plan[0], plan[1], np.arange(start, stop), None, lengths, metas, fetch)
+    idx = np.arange(n) if plan[2] is None else piece_rows(n, plan[2])
+    # A padded piece wraps around to the first rows: fetched one contiguous run at a time.
+    runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1) if len(idx) else [idx]
+    pieces = [_eval(plan[0], plan[1], run, None, lengths, metas, fetch) for run in runs]
+    return pieces[0] if len(pieces) == 1 else concat_parts(pieces)
 
 
 def _eval(base: tuple, ops: tuple, idx: np.ndarray, columns: Any, lengths, metas, fetch) -> Any:
@@ -504,8 +502,18 @@ def _eval_base(base: tuple, idx: np.ndarray, columns: Any, lengths, metas, fetch
     return value
 
 
+def padding_of(plan: tuple, lengths: list[int]) -> int:
+    """How many padding rows end the ``STRIP`` piece ``plan`` stands for (0 for any other)."""
+    piece = plan[2]
+    if piece is None or len(piece) < 3 or piece[2] != STRIP:
+        return 0
+    return trailing_padding(_plan_length(plan, lengths), piece)
+
+
 def _merged_meta(metas: list[dict]) -> dict:
     """``meta_info`` as ``DataProto.concat`` of all parts would merge it."""
-    if len(metas) == 1:
-        return dict(metas[0])
-    return DataProto.concat([DataProto(meta_info=dict(m)) for m in metas]).meta_info
+    return (
+        dict(metas[0])
+        if len(metas) == 1
+        else DataProto.concat([DataProto(meta_info=dict(m)) for m in metas]).meta_info
+    )

@@ -9,6 +9,7 @@ rank environment, build, attach, restart, shutdown; how calls and data travel is
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,14 +22,14 @@ from . import foreign, records
 from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
 from .config import Settings
-from .deadlines import deadline
+from .deadlines import current_limit, deadline
 from .errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
-from .install import install_plugins
-from .pool import ResourcePool, WorkerSlot
+from .install import check_versions, install_plugins, version_of
+from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
 from .transport import GroupTransport
-from .wire import RANK_ENV_KEYS
+from .wire import RANK_ENV_KEYS, WIRE_FORMAT
 from .worker import ClassWithInitArgs
 
 __all__ = ["WorkerGroup", "ClassWithInitArgs", "attach_ranks"]
@@ -41,15 +42,15 @@ class WorkerGroup(BoundGroup):
 
     Args:
         client: a connected ``distributed.Client`` (synchronous).
-        cls_or_cls_with_init: the Worker class, or a :class:`ClassWithInitArgs`.
+        cls_or_cls_with_init: the Worker class, or a [`ClassWithInitArgs`][daskwg.ClassWithInitArgs].
         world_size: number of ranks (``None``: every worker of the cluster or pool).
-        workers: a :class:`ResourcePool` or worker addresses/names to use.
+        workers: a [`ResourcePool`][daskwg.ResourcePool] or worker addresses/names to use.
         resources: Dask worker resources each chosen worker must offer.
         name: the group's name (dashboard keys, attach); default ``<Class>-<id>``.
         worker_env: extra environment variables (``str -> str``) for every rank.
         master_port: the ``MASTER_PORT`` to use (else one is reserved on rank 0's host).
         detached: keep the group alive after this client closes; reattach with
-            :meth:`attach`. Needs ``name``.
+            [`attach`][daskwg.WorkerGroup.attach]. Needs ``name``.
 
     Raises:
         TypeError: arguments of the wrong type.
@@ -59,10 +60,10 @@ class WorkerGroup(BoundGroup):
         RankError: the class's ``__init__`` raised on a rank (nothing is left on the
             other ranks).
 
-    Every method of the class marked with :func:`daskwg.register` becomes an attribute
+    Every method of the class marked with [`daskwg.register`][daskwg.register] becomes an attribute
     of the group that dispatches, executes and collects as its mode says. Mirrors
     verl's ``RayWorkerGroup``. A non-detached group that is garbage-collected without
-    :meth:`shutdown` releases its ranks, as a Ray actor dies with its last handle.
+    [`shutdown`][daskwg.WorkerGroup.shutdown] releases its ranks, as a Ray actor dies with its last handle.
     """
 
     #: ``WG_PREFIX`` of verl's rank variables on every rank (``daskwg.verl``'s groups set
@@ -102,7 +103,9 @@ class WorkerGroup(BoundGroup):
             if world_size is not None and world_size != pool.world_size:
                 pool = ResourcePool(client, world_size=world_size, workers=pool.workers)
         else:
-            pool = ResourcePool(client, world_size, workers, dict(resources) if resources else None)
+            # Workers busy with a call this driver abandoned are passed over while others match.
+            busy = GroupTransport.driver_of(client).busy_call
+            pool = pick_free(client, world_size, workers, dict(resources) if resources else None, busy)
         group_id = uuid.uuid4().hex
         self._setup(
             client,
@@ -153,8 +156,9 @@ class WorkerGroup(BoundGroup):
         self._dispatch_info: dict[str, list[int]] = {}
         self._collect_info: dict[str, list[bool]] = {}
         self._methods = self._bind_registered_methods()
+        check_versions(client, self._slots)
         install_plugins(client)
-        self._transport = GroupTransport(client, self._slots, name, group_id, owner)
+        self._transport = GroupTransport(client, self._slots, name, group_id, owner, detached=detached)
         # The finaliser holds this list, not the group: restart() swaps the transport in it.
         self._transports = [self._transport]
 
@@ -182,9 +186,20 @@ class WorkerGroup(BoundGroup):
                 # Read in the driver, so a setting applies to the groups it builds there.
                 "skip_signal_handlers": settings.skip_signal_handlers,
                 "check_process_group": settings.check_process_group,
+                # The worker refuses a call format it does not speak, naming both.
+                "wire": WIRE_FORMAT,
+                "daskwg": version_of("daskwg"),
             }
             for rank, host in enumerate(hosts)
         ]
+        try:
+            # Refused before anything is sent: there is nothing to destroy.
+            limit = current_limit(None, settings.call_timeout)
+            self._transport.check("__init__", list(range(self.world_size)), limit)
+        except BaseException:
+            self._transport.close()
+            self._closed = True
+            raise
         try:
             self._send(
                 "__init__",
@@ -214,7 +229,7 @@ class WorkerGroup(BoundGroup):
 
     @property
     def name(self) -> str:
-        """The group's name (used in task keys and by :meth:`attach`)."""
+        """The group's name (used in task keys and by [`attach`][daskwg.WorkerGroup.attach])."""
         return self._name
 
     @property
@@ -248,12 +263,12 @@ class WorkerGroup(BoundGroup):
         return spawn_role_groups(self, prefix_set)
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
-        """Set every role group of :meth:`spawn` as an attribute: ``wg.actor.add(data)``
+        """Set every role group of [`spawn`][daskwg.WorkerGroup.spawn] as an attribute: ``wg.actor.add(data)``
         (verl's ``RayWorkerGroup.fuse``).
 
         Raises:
             ValueError: a role name clashes with an attribute of the group.
-            TypeError, ValueError: as :meth:`spawn`.
+            TypeError, ValueError: as [`spawn`][daskwg.WorkerGroup.spawn].
         """
         role_groups = self.spawn(prefix_set)
         for role in role_groups:
@@ -285,10 +300,12 @@ class WorkerGroup(BoundGroup):
         """Replace every rank's process and rebuild the ranks; the group stays valid.
 
         The hosting Dask workers restart through their Nannies
-        (``client.restart_workers``), then the class is instantiated again on every
-        rank from the same ``ClassWithInitArgs`` and ``worker_env``, with a fresh
-        ``MASTER_PORT`` (the one passed as ``master_port=``, if any). Returns when the
-        ranks are ready. The way out of a rank stuck for good (a frozen process, a
+        (``client.restart_workers``; a worker is found again by its Nanny, so ``dask worker``
+        processes without ``--name`` work; a local cluster's
+        ``distributed.deploy.lost-worker-timeout`` is raised meanwhile, so slow starts are
+        kept), then the class is instantiated again on every rank from the same
+        ``ClassWithInitArgs`` and ``worker_env``, with a fresh ``MASTER_PORT`` (the one
+        passed as ``master_port=``, if any). Returns when the ranks are ready. The way out of a rank stuck for good (a frozen process, a
         collective that never returns, a call abandoned by a deadline or Ctrl-C).
         Everything else on those workers is lost: other groups with ranks there raise
         ``WorkerLostError``, as with any restart.
@@ -311,7 +328,9 @@ class WorkerGroup(BoundGroup):
         check_restartable(self._client, old_slots, self._name)
         self._transport.close()
         self._slots = restart_workers(self._client, old_slots, self._transport.driver.lost, self._name)
-        self._transport = GroupTransport(self._client, self._slots, self._name, self._group_id, self._owner)
+        self._transport = GroupTransport(
+            self._client, self._slots, self._name, self._group_id, self._owner, detached=self._detached
+        )
         self._transports[:] = [self._transport]
         self._dispatch_info.clear()
         self._collect_info.clear()
@@ -324,7 +343,7 @@ class WorkerGroup(BoundGroup):
         Works on a broken group too (surviving ranks are destroyed). Returns within
         about ``daskwg.shutdown-timeout`` seconds (10 s) even when a rank is stuck: a
         rank still busy then (a call that never returns, a frozen process) destroys its
-        object when that call ends. Later calls raise :class:`GroupBrokenError`.
+        object when that call ends. Later calls raise [`GroupBrokenError`][daskwg.GroupBrokenError].
         """
         if self._closed:
             return
@@ -387,28 +406,26 @@ class WorkerGroup(BoundGroup):
     def _destroy_ranks(self) -> None:
         lost = self._transport.driver.lost
         alive = [r for r, s in enumerate(self._slots) if s.server_id not in lost]
-        # A rank stuck in a call of this (broken) group destroys its object only when
-        # that call returns; waiting for it here could take until a collective's timeout.
-        # So does every rank of a broken group: one may still be running the call
-        # that broke it (the other ranks of a lost worker's call, say).
-        stuck = [
-            r
-            for r in alive
-            if self._broken is not None
-            or self._transport.is_stuck(self._slots[r])
-            or self._transport.is_abandoned(self._slots[r])
-        ]
-        alive = [r for r in alive if r not in stuck]
+        # A rank busy with a call (a broken group's straggler, a call abandoned by a deadline
+        # or Ctrl-C) destroys its object when that call returns: not waited for, nor are the
+        # ranks of a broken group (one may still run the call that broke it).
+        busy = {r: self._transport.busy_call(self._slots[r]) for r in alive}
+        busy = {r: entry for r, entry in busy.items() if entry is not None}
+        later = [r for r in alive if r in busy or self._broken is not None]
+        alive = [r for r in alive if r not in later]
         try:
-            if stuck:
+            if busy:
+                now = time.monotonic()
                 logger.warning(
-                    "group %s: rank(s) %s are still stuck in a call; their objects are destroyed when it "
-                    "returns (restart the workers to free them now: client.restart())",
+                    "group %s: %s; their objects are destroyed when those calls end (restart the workers "
+                    "to end them now: client.restart_workers(%s))",
                     self._name,
-                    stuck,
+                    "; ".join(f"rank {r} is {entry.describe(now)}" for r, entry in sorted(busy.items())),
+                    [self._slots[r].address for r in sorted(busy)],
                 )
+            if later:
                 fire_and_forget(
-                    self._send("__del__", stuck, [((), {})] * len(stuck), blocking=False, check=False)
+                    self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
                 )
             if alive:
                 with deadline(Settings.current().shutdown_timeout):

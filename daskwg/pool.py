@@ -8,7 +8,7 @@ share the worker processes, which is how roles are colocated.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -17,7 +17,7 @@ from distributed.comm.addressing import get_address_host
 
 from .errors import WorldSizeError
 
-__all__ = ["ResourcePool", "WorkerSlot", "rank_order"]
+__all__ = ["ResourcePool", "WorkerSlot", "rank_order", "pick_free"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ class WorkerSlot:
         started: when the worker process started (seconds since the epoch, its host's
             clock; 0.0 if unknown): a removal the scheduler reported before it refers
             to an earlier process at the same address.
+        nanny: the address of the worker's Nanny (``None`` without one). It stays the
+            same across restarts of the worker process, when the worker's address and
+            name (by default its address) change.
+        pid: the worker process's id (``None`` if unknown).
     """
 
     address: str
@@ -41,6 +45,8 @@ class WorkerSlot:
     device: str | None
     server_id: str
     started: float = 0.0
+    nanny: str | None = None
+    pid: int | None = None
 
 
 def _device_key(device: str | None) -> tuple:
@@ -71,10 +77,10 @@ def _first_visible_device() -> str | None:
     return value.split(",")[0].strip()
 
 
-def _worker_identity(dask_worker) -> tuple[str | None, str, float]:
+def _worker_identity(dask_worker) -> tuple[str | None, str, float, int]:
     # The scheduler's "id" for a worker is its name, which a restarted worker keeps;
     # the worker's own id is new in every process.
-    return _first_visible_device(), dask_worker.id, psutil.Process().create_time()
+    return _first_visible_device(), dask_worker.id, psutil.Process().create_time(), os.getpid()
 
 
 def _cluster_slots(client: Client) -> list[WorkerSlot]:
@@ -90,6 +96,8 @@ def _cluster_slots(client: Client) -> list[WorkerSlot]:
             device=identities[addr][0],
             server_id=identities[addr][1],
             started=identities[addr][2],
+            nanny=w.get("nanny") or None,
+            pid=identities[addr][3],
         )
         for addr, w in info.items()
         if addr in identities
@@ -117,7 +125,7 @@ class ResourcePool:
         ValueError: an unknown worker address/name, duplicates, or a bad ``world_size``.
         TypeError: arguments of the wrong type.
 
-    Mirrors verl's ``RayResourcePool``; :meth:`split` mirrors ``split_resource_pool``.
+    Mirrors verl's ``RayResourcePool``; [`split`][daskwg.ResourcePool.split] mirrors ``split_resource_pool``.
     """
 
     def __init__(
@@ -221,3 +229,24 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         return f"ResourcePool(world_size={self.world_size}, workers={self.workers})"
+
+
+def pick_free(
+    client: Client,
+    world_size: int | None,
+    workers: Sequence[str] | None,
+    resources: dict[str, float] | None,
+    busy: Callable[[WorkerSlot], object],
+) -> ResourcePool:
+    """``ResourcePool(client, world_size, workers, resources)``, except that, when the
+    workers are not named, the first ``world_size`` in rank order for which ``busy(slot)``
+    is falsy are taken, while enough of them match.
+
+    Raises:
+        as :class:`ResourcePool`.
+    """
+    pool = ResourcePool(client, world_size, workers, resources)
+    if workers is not None or world_size is None or not any(busy(s) for s in pool.slots):
+        return pool
+    free = [s for s in ResourcePool(client, None, None, resources).slots if not busy(s)]
+    return ResourcePool(client, _slots=free[:world_size]) if len(free) >= world_size else pool

@@ -91,14 +91,15 @@ class DataProtoConfig(metaclass=_DataProtoConfigMeta):
     ``DASKWG_AUTO_PADDING`` is ``1``/``true`` or after ``DataProtoConfig.auto_padding = True``.
     verl reads ``VERL_AUTO_PADDING``; daskwg reads ``DASKWG_AUTO_PADDING``. daskwg's
     ``DP_COMPUTE_PROTO`` dispatch pads uneven batches whatever this says; the flag is kept
-    so code written against verl keeps working and for :meth:`DataProto.is_padding_enabled`.
-    Setting a non-bool raises ``TypeError``.
+    so code written against verl keeps working and for
+    [`DataProto.is_padding_enabled`][daskwg.DataProto.is_padding_enabled]. Setting a non-bool raises
+    ``TypeError``.
     """
 
 
 @dataclass
 class DataProtoItem:
-    """One row of a :class:`DataProto`, as returned by ``data[i]`` (verl's ``DataProtoItem``).
+    """One row of a [`DataProto`][daskwg.DataProto], as returned by ``data[i]`` (verl's ``DataProtoItem``).
 
     Attributes:
         batch: the row of the TensorDict (``batch_size == []``), or ``None``.
@@ -325,7 +326,7 @@ class DataProto:
             in 1-D ``object`` arrays.
         meta_info: ``dict`` of values that apply to the whole batch.
 
-    Raises (at construction, via :meth:`check_consistency`):
+    Raises (at construction, via [`check_consistency`][daskwg.DataProto.check_consistency]):
         TypeError: a part has the wrong type.
         ValueError: the parts disagree on ``N`` or the TensorDict has more than one batch dim.
     """
@@ -364,7 +365,8 @@ class DataProto:
             non_tensors: numpy arrays ``[N, ...]`` or sequences of ``N`` values.
             meta_info: batch-wide metadata (copied shallowly).
             num_batch_dims: must be 1; kept for verl's signature.
-            auto_padding: mark this DataProto as padding-enabled (:meth:`is_padding_enabled`).
+            auto_padding: mark this DataProto as padding-enabled
+                ([`is_padding_enabled`][daskwg.DataProto.is_padding_enabled]).
 
         Returns:
             DataProto with ``len == N`` (``batch`` is ``None`` when ``tensors`` is empty).
@@ -721,7 +723,7 @@ class DataProto:
         Raises:
             TypeError: ``chunks`` is not an int.
             ValueError: ``chunks < 1`` or ``N < chunks`` (pad first with
-                :func:`pad_dataproto_to_divisor`).
+                [`pad_dataproto_to_divisor`][daskwg.pad_dataproto_to_divisor]).
         """
         if not isinstance(chunks, (int, np.integer)) or isinstance(chunks, bool):
             raise TypeError(f"chunks must be an int, got {type(chunks).__name__}")
@@ -855,7 +857,7 @@ class DataProto:
         Mirrors verl's ``DataProto.reorder``; accepts lists and numpy arrays too.
 
         Raises:
-            IndexError / TypeError: as :meth:`select_idxs`.
+            IndexError / TypeError: as [`select_idxs`][daskwg.DataProto.select_idxs].
         """
         reordered = self.select_idxs(indices)
         self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
@@ -991,7 +993,8 @@ class DataProto:
         return self._derive(batch, non_tensor)
 
     def unfold_batch_dim(self, batch_dims: int = 2) -> DataProto:
-        """Flatten the first ``batch_dims`` dims into the rows; the inverse of :meth:`fold_batch_dim`.
+        """Flatten the first ``batch_dims`` dims into the rows; the inverse of
+        [`fold_batch_dim`][daskwg.DataProto.fold_batch_dim].
 
         Mirrors verl's module-level ``unfold_batch_dim(data, batch_dims)``, without changing
         this DataProto's batch size as a side effect (verl does).
@@ -1026,7 +1029,7 @@ class DataProto:
         padded by 2 becomes ``[1, 2, 3, 3, 3]``); the repeated row is the last one, or the
         first with ``padding_candidate="first"`` (``[1, 2, 3, 1, 1]``). verl returns ``None``;
         daskwg also returns ``self``. ``meta_info`` is kept. To pad without touching the
-        caller's batch use :func:`pad_dataproto_to_divisor`, which pads a copy.
+        caller's batch use [`pad_dataproto_to_divisor`][daskwg.pad_dataproto_to_divisor], which pads a copy.
 
         Args:
             padding_size: rows to append, ``>= 0``.
@@ -1069,8 +1072,8 @@ class DataProto:
         Built on ``torch.utils.data.DataLoader`` like verl, with ``dataloader_kwargs`` passed
         through (``shuffle=True`` to shuffle); ``seed`` seeds its generator so two iterators
         with the same seed yield the same mini-batches. verl stacks rows one by one and needs
-        tensors; daskwg gathers each mini-batch with one :meth:`select_idxs` and also works
-        when ``batch`` is None.
+        tensors; daskwg gathers each mini-batch with one [`select_idxs`][daskwg.DataProto.select_idxs] and
+        also works when ``batch`` is None.
 
         Yields:
             DataProto of ``mini_batch_size`` rows with a copy of ``meta_info``;
@@ -1122,7 +1125,8 @@ class DataProto:
 
     @staticmethod
     def load_from_disk(filepath: str | os.PathLike[str]) -> DataProto:
-        """Load a DataProto written by :meth:`save_to_disk`. Mirrors verl's ``load_from_disk``.
+        """Load a DataProto written by [`save_to_disk`][daskwg.DataProto.save_to_disk]. Mirrors verl's
+        ``load_from_disk``.
 
         Only load files you trust: this unpickles.
 
@@ -1175,7 +1179,7 @@ class DataProto:
 
         Tensors stay tensors; each non-tensor field becomes a ``NonTensorStack`` of its ``N``
         values (lists, dicts, nested lists of dicts: any value); each ``meta_info`` entry
-        becomes a ``NonTensorData``. :meth:`from_tensordict` turns it back.
+        becomes a ``NonTensorData``. [`from_tensordict`][daskwg.DataProto.from_tensordict] turns it back.
 
         Returns:
             ``TensorDict`` with ``batch_size == [N]``; ``td["labels"]`` reads a non-tensor
@@ -1214,12 +1218,13 @@ class DataProto:
 
         Tensors (and nested TensorDicts) go to ``batch``; ``NonTensorStack`` entries (one value
         per row) to ``non_tensor_batch`` as 1-D object arrays; ``NonTensorData`` entries (one
-        value for the whole batch) to ``meta_info``. The inverse of :meth:`to_tensordict`.
+        value for the whole batch) to ``meta_info``. The inverse of
+        [`to_tensordict`][daskwg.DataProto.to_tensordict].
 
         Args:
             tensor_dict: a TensorDict whose first batch dim is ``N``.
             meta_info: extra batch-wide metadata (copied shallowly).
-            num_batch_dims: must be 1, as in :meth:`from_dict`.
+            num_batch_dims: must be 1, as in [`from_dict`][daskwg.DataProto.from_dict].
 
         Returns:
             DataProto with ``N`` rows (``batch`` is None when there are no tensors).
@@ -1358,10 +1363,12 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
 
 def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any, int]:
     """``value`` padded to a multiple of ``size_divisor`` rows, cycling through its rows:
-    :func:`pad_dataproto_to_divisor` for a DataProto, the same rule for a TensorDict.
+    [`pad_dataproto_to_divisor`][daskwg.pad_dataproto_to_divisor] for a DataProto, the same rule for a
+    TensorDict.
 
-    The one place where group calls pad (``DP_COMPUTE_PROTO`` dispatch); :func:`unpad_rows`
-    takes the padding off again, on the blocking and the future path alike.
+    The one place where group calls pad (``DP_COMPUTE_PROTO`` dispatch);
+    [`unpad_rows`][daskwg.protocol.unpad_rows] takes the padding off again, on the blocking and the future
+    path alike.
 
     Returns:
         ``(padded, pad_size)``; ``value`` itself when no padding is needed.
@@ -1381,9 +1388,9 @@ def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any,
 
 
 def unpad_rows(value: Any, pad_size: int) -> Any:
-    """``value`` without its last ``pad_size`` rows (what :func:`pad_rows` added).
+    """``value`` without its last ``pad_size`` rows (what [`pad_rows`][daskwg.protocol.pad_rows] added).
 
-    A DataProto goes through :func:`unpad_dataproto`, a TensorDict is sliced, an object
+    A DataProto goes through [`unpad_dataproto`][daskwg.unpad_dataproto], a TensorDict is sliced, an object
     with an ``unpad`` method (a ``DataProtoFuture``) drops them when it is materialised,
     and any other batch (verl's ``DataProto``) is sliced with its own ``[:n]``.
     """
@@ -1476,8 +1483,8 @@ def list_of_dict_to_dict_of_list(list_of_dict: Sequence[dict[str, Any]]) -> dict
 def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     """Group rows: ``[N, ...]`` -> ``[new_batch_size, N // new_batch_size, ...]``.
 
-    ``verl.protocol.fold_batch_dim``; see :meth:`DataProto.fold_batch_dim`. verl also
-    replaces the arrays in ``data.non_tensor_batch`` with the folded ones; daskwg leaves
+    ``verl.protocol.fold_batch_dim``; see [`DataProto.fold_batch_dim`][daskwg.DataProto.fold_batch_dim]. verl
+    also replaces the arrays in ``data.non_tensor_batch`` with the folded ones; daskwg leaves
     ``data`` as it was.
 
     Raises:
@@ -1487,9 +1494,10 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
 
 
 def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
-    """Flatten the first ``batch_dims`` dims into the rows; the inverse of :func:`fold_batch_dim`.
+    """Flatten the first ``batch_dims`` dims into the rows; the inverse of
+    [`fold_batch_dim`][daskwg.protocol.fold_batch_dim].
 
-    ``verl.protocol.unfold_batch_dim``; see :meth:`DataProto.unfold_batch_dim`.
+    ``verl.protocol.unfold_batch_dim``; see [`DataProto.unfold_batch_dim`][daskwg.DataProto.unfold_batch_dim].
     """
     return data.unfold_batch_dim(batch_dims)
 
@@ -1528,7 +1536,8 @@ def serialize_single_tensor(obj: torch.Tensor) -> tuple[str, torch.Size, np.ndar
 
 
 def deserialize_single_tensor(arr: tuple[str, Sequence[int], Any]) -> torch.Tensor:
-    """The inverse of :func:`serialize_single_tensor` (a writable copy of the bytes).
+    """The inverse of [`serialize_single_tensor`][daskwg.protocol.serialize_single_tensor] (a writable copy
+    of the bytes).
 
     Raises:
         ValueError: the dtype name is not a torch dtype.
@@ -1549,7 +1558,8 @@ def serialize_tensordict(batch: TensorDictBase) -> tuple[tuple[int, ...], str | 
     """``(batch_size, device, {key: encoded tensor})`` of a flat TensorDict (verl's helper).
 
     Any number of batch dims. A nested (jagged) tensor is encoded as ``(layout name,
-    [encoded component, ...])``, every other tensor with :func:`serialize_single_tensor`.
+    [encoded component, ...])``, every other tensor with
+    [`serialize_single_tensor`][daskwg.protocol.serialize_single_tensor].
     """
     items: dict[str, Any] = {}
     for key, value in batch.items():
@@ -1563,7 +1573,7 @@ def serialize_tensordict(batch: TensorDictBase) -> tuple[tuple[int, ...], str | 
 
 
 def deserialize_tensordict(arr: tuple[Sequence[int], str | None, dict[str, Any]]) -> TensorDict:
-    """The inverse of :func:`serialize_tensordict`.
+    """The inverse of [`serialize_tensordict`][daskwg.protocol.serialize_tensordict].
 
     Raises:
         ValueError: an entry is neither a 3-tuple (tensor) nor a 2-tuple (nested tensor).

@@ -34,7 +34,7 @@ def get(refs: Any) -> Any:
     Args:
         refs: a ``distributed.Future`` (from ``execute_all_async``,
             ``execute_rank_zero_async`` or a ``blocking=False`` method), a
-            :class:`~daskwg.DataProtoFuture`, or lists/tuples of those, nested.
+            [`DataProtoFuture`][daskwg.DataProtoFuture], or lists/tuples of those, nested.
 
     Returns:
         the value(s); a ``DataProtoFuture`` gives its materialised ``DataProto`` (or

@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass
 from typing import Any
 
 __all__ = [
+    "WIRE_FORMAT",
     "PLUGIN_NAME",
     "RANK_ENV_KEYS",
     "HANDLERS",
@@ -28,6 +29,12 @@ __all__ = [
     "task_key",
     "status_record",
 ]
+
+#: The version of what crosses between the driver and the workers (the records and names
+#: below, the handlers' arguments and answers). Raise it with any change a worker of the
+#: previous release could misread; the ``__init__`` call of every group carries the
+#: driver's, and a worker with another refuses to build the rank.
+WIRE_FORMAT = 1
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"

@@ -107,7 +107,7 @@ class Worker:
     """Base class of the object a worker group runs on every rank (verl's ``Worker``).
 
     Subclasses call ``super().__init__()`` first in their ``__init__``, then build their
-    models; methods marked with :func:`~daskwg.decorator.register` become group methods.
+    models; methods marked with [`register`][daskwg.register] become group methods.
     State lives in single-underscore attributes (``_rank``, ``_world_size``,
     ``_local_rank``, ``_local_world_size``, ``_master_addr``, ``_master_port``,
     ``_dispatch_dp_rank``, ``_collect_dp_rank``) that subclasses may read.
@@ -236,7 +236,8 @@ class Worker:
         """Record this rank's dp rank in ``mesh_name`` and whether its output is collected.
 
         Call it in ``__init__`` for every mesh a method dispatches over with
-        :func:`~daskwg.decorator.make_nd_compute_dataproto_dispatch_fn` (verl's method).
+        [`make_nd_compute_dataproto_dispatch_fn`][daskwg.make_nd_compute_dataproto_dispatch_fn] (verl's
+        method).
 
         Raises:
             ValueError: ``mesh_name`` is already registered, or ``dp_rank`` is negative.
@@ -292,7 +293,8 @@ class Worker:
 
         Returns:
             ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``,
-            ready to pass as ``**kwargs`` to another worker's :meth:`set_dispatch_collect`.
+            ready to pass as ``**kwargs`` to another worker's
+            [`set_dispatch_collect`][daskwg.Worker.set_dispatch_collect].
         """
         return {
             "dispatch_dp_rank": dict(self._state("_dispatch_dp_rank")),
@@ -362,7 +364,7 @@ class ClassWithInitArgs:
     """The class a group instantiates on every rank, with its constructor arguments.
 
     Args:
-        cls: the user's Worker subclass (any class works; subclass :class:`daskwg.Worker`
+        cls: the user's Worker subclass (any class works; subclass [`daskwg.Worker`][daskwg.Worker]
             or verl's ``Worker`` to get the rank environment as attributes). A
             ``@ray.remote`` class is unwrapped to the class it decorates.
         *args: passed to ``cls(*args, **kwargs)`` on every rank, pickled (cloudpickle)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from daskwg import DataProto, Dispatch, Worker, register
+from daskwg.dispatch import collect_dp_compute_data_proto, dispatch_one_to_all
 
 
 class BadStrError(Exception):
@@ -65,6 +66,15 @@ class HangWorker(Worker):
         while not os.path.exists(path) and time.monotonic() < end:
             time.sleep(0.05)
         return os.path.exists(path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def spin_until(self, rank: int, path: str, seconds: float) -> bool:
+        """Rank ``rank`` does not return until ``path`` exists (a loop the driver cannot
+        tell from an infinite one; bounded by ``seconds`` so the test can always end it)."""
+        end = time.monotonic() + seconds
+        while self.rank == rank and not os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, timeout=1.0)
     def sleep_with_timeout(self, seconds: float) -> int:
@@ -137,3 +147,45 @@ class HangWorker(Worker):
     def raise_worker_only_proto(self, data: DataProto) -> DataProto:
         self.raise_worker_only()
         return data
+
+
+#: One seed per rank in, a DataProtoFuture of the ranks' outputs back (a producer that
+#: takes plain arguments).
+ONE_TO_ALL_PROTO = {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_dp_compute_data_proto}
+
+
+class LeakWorker(Worker):
+    """Producers and consumers that fail, for what failed calls leave on the workers."""
+
+    @register(dispatch_mode=ONE_TO_ALL_PROTO, blocking=False)
+    def produce(self, mib: int) -> DataProto:
+        return DataProto.from_dict({"x": torch.ones(mib * 2**18, 1)})
+
+    @register(dispatch_mode=ONE_TO_ALL_PROTO, blocking=False)
+    def produce_fail(self, seed: int) -> DataProto:
+        raise ValueError(f"produce_fail({seed}) fails on rank {self.rank}")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def consume_fail(self, data: DataProto) -> DataProto:
+        raise ValueError(f"consume_fail of {len(data)} rows fails on rank {self.rank}")
+
+
+def step_wall_clock(seconds: float) -> None:
+    """Step this process's wall clock (``time.time``) by ``seconds`` from the true time, as
+    NTP or a resumed VM steps it; ``0`` puts it back."""
+    real = getattr(time, "_unstepped_time", time.time)
+    time._unstepped_time = real
+    time.time = real if seconds == 0 else (lambda: real() + seconds)
+
+
+def tensor_bytes() -> int:
+    """Bytes of the storages of every tensor alive in this process (what its Python objects hold)."""
+    import gc
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

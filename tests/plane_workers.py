@@ -92,6 +92,10 @@ class Consumer(Worker):
     def ids(self, data: DataProto) -> DataProto:
         return data.select(batch_keys=["id"])
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def ids_async(self, data: DataProto) -> DataProto:
+        return data.select(batch_keys=["id"])
+
 
 class Stateful(Worker):
     """Keeps tensors that later calls change in place."""

@@ -83,6 +83,27 @@ def test_each_consumer_rank_receives_only_its_rows_when_dp_sizes_differ(plane, m
         consumers.shutdown()
 
 
+@pytest.mark.timeout(600)
+def test_a_future_shorter_than_the_consuming_group_is_padded_as_the_same_rows_in_the_driver(plane):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 3], Producer, Consumer)
+    try:
+        future = producers.make(seed(2, 4))  # 2 rows, one per producing rank
+        in_driver = future.get()
+        # Every consuming rank gets the rows the driver's padding gives it: 2 rows padded to 3.
+        assert [o["ids"] for o in consumers.summary(future)] == [[0], [1], [0]]
+        assert [o["ids"] for o in consumers.summary(in_driver)] == [[0], [1], [0]]
+        # The padding row is taken off the output on both paths, blocking or not.
+        assert consumers.ids(future).batch["id"].tolist() == [0, 1]
+        assert consumers.ids(in_driver).batch["id"].tolist() == [0, 1]
+        later = consumers.ids_async(future)
+        assert later.get().batch["id"].tolist() == [0, 1]
+        assert producers.echo(later).batch["id"].tolist() == [0, 1]  # and its parts feed the next call
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
 # --------------------------------------------------------------------- lazy algebra
 
 
@@ -379,6 +400,40 @@ def test_sparse_tensors_of_any_size_travel(plane, blocking):
         assert torch.equal(group.same(csr)[0].to_dense(), csr.to_dense())
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_expanded_and_channels_last_tensors_keep_their_strides_and_travel_as_their_memory(plane, blocking):
+    client, pool = plane
+    (group,) = groups(client, pool, [1], Stateful)
+    try:
+        expanded = torch.zeros(1, 64).expand(1_000_000, 64)  # 256 MB if materialised
+        before = tcp_bytes_received()
+        (out,) = group.same(expanded) if blocking else client.gather(group.same_async(expanded))
+        got = tcp_bytes_received() - before
+        print(
+            f"\n[codec] an expand()-ed 1,000,000 x 64 float tensor there and back: {got} bytes to the driver"
+        )
+        assert got < 64 * 1024, got
+        assert out.shape == (1_000_000, 64) and out.stride() == (0, 1) and torch.equal(out[-1], expanded[-1])
+        channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        (out,) = group.same(channels_last) if blocking else client.gather(group.same_async(channels_last))
+        assert out.is_contiguous(memory_format=torch.channels_last) and out.stride() == channels_last.stride()
+        assert torch.equal(out, channels_last)
+        transposed = torch.arange(12.0).reshape(3, 4).t()
+        (out,) = group.same(transposed) if blocking else client.gather(group.same_async(transposed))
+        assert out.stride() == (1, 4) and torch.equal(out, transposed)
+    finally:
+        group.shutdown()
+
+
+def test_a_strided_slice_still_travels_as_its_own_elements_only():
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    every_other = big[::2]  # reaches all of big's storage: copied to its own 2 MiB
+    packed = serialization.dumps(every_other)
+    assert packed.nbytes < (1 << 21) + 1024
+    assert torch.equal(serialization.loads(packed), every_other)
 
 
 def test_dask_sizeof_sees_the_bytes_of_data_protos_and_tensordicts():

@@ -21,7 +21,7 @@ import torch
 from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.config import set as dask_config
 from distributed import Client
-from hang_workers import HangWorker
+from hang_workers import HangWorker, LeakWorker, step_wall_clock, tensor_bytes
 
 import daskwg
 from daskwg import (
@@ -196,6 +196,123 @@ def test_a_rank_blocked_in_all_reduce_shows_its_stack_and_restart_recovers(hclie
         wg.shutdown()
 
 
+def _wait_for_state(wg: WorkerGroup, predicate, seconds: float = 30.0) -> list[dict]:
+    end = time.monotonic() + seconds
+    while True:
+        status = wg.status()
+        if all(predicate(r) for r in status):
+            return status
+        assert time.monotonic() < end, status
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_durations_stay_true_when_a_workers_wall_clock_steps_back_an_hour(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        futures = wg.sleep_async(4)
+        _wait_for_state(wg, lambda r: r["state"] == "running")
+        hclient.run(step_wall_clock, -3600, workers=wg.workers)
+        try:
+            (record,) = wg.status()
+            with pytest.raises(CallTimeoutError) as info:
+                with daskwg.deadline(0.5):
+                    wg.sleep(0)
+        finally:
+            hclient.run(step_wall_clock, 0, workers=wg.workers)
+        print(
+            f"\n[clock] wall clock stepped back 1 h during a 4 s call: status seconds {record['seconds']:.1f}"
+        )
+        assert (record["method"], record["state"]) == ("sleep_async", "running")
+        assert 0 <= record["seconds"] < 60
+        running_for = float(str(info.value).split("(running ")[1].split(" s)")[0])
+        assert 0 <= running_for < 60, str(info.value)
+        wg._gather(futures, "sleep_async")
+
+
+@pytest.mark.timeout(120)
+def test_a_new_group_is_never_built_silently_behind_a_rank_stuck_in_an_abandoned_call(hclient, tmp_path):
+    go = str(tmp_path / "go")
+    wg = WorkerGroup(hclient, HangWorker, world_size=2, name="spinner")
+    try:
+        with pytest.raises(CallTimeoutError):
+            with daskwg.deadline(1):
+                wg.spin_until(1, go, 90)
+        busy = wg.workers[1]
+        wg.shutdown()
+        t0 = time.monotonic()
+        # Hosted where it can run: on the two workers that are free.
+        with WorkerGroup(hclient, HangWorker, world_size=2) as fresh:
+            assert busy not in fresh.workers
+            assert fresh.sleep(0) == [0, 1]
+        print(
+            f"\n[stuck] a new group of 2 beside a stuck rank: built and called in {time.monotonic() - t0:.2f} s"
+        )
+        t0 = time.monotonic()
+        # No three free workers, no deadline: refused at once, saying why and what to do.
+        with pytest.raises(GroupBrokenError) as info:
+            WorkerGroup(hclient, HangWorker, world_size=3)
+        print(
+            f"[stuck] a new group of 3 that needs the stuck worker: refused after {time.monotonic() - t0:.2f} s"
+        )
+        message = str(info.value)
+        for part in (
+            "'spin_until' of group 'spinner'",
+            "abandoned by a deadline",
+            " s ago",
+            busy,
+            "deadline",
+        ):
+            assert part in message, message
+        assert "client.restart_workers" in message
+    finally:
+        open(go, "w").close()
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_after_an_abandoned_call_has_ended_warns_of_no_stuck_rank(hclient, caplog):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    with pytest.raises(CallTimeoutError):
+        with daskwg.deadline(0.5):
+            wg.sleep(1.5)
+    assert wg.sleep(0) == [0, 1]  # waited behind the abandoned call, which has ended
+    assert [r["state"] for r in wg.status()] == ["idle", "idle"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="daskwg"):
+        wg.shutdown()
+    assert [r.message for r in caplog.records if r.name.startswith("daskwg")] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_call_behind_an_abandoned_queued_call_is_not_told_that_call_is_running(hclient, caplog):
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        futures = wg.sleep_async(2)
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(0.3):
+                wg.pid()
+        assert info.value.ranks == {0: "queued"}
+        with caplog.at_level("WARNING", logger="daskwg"):
+            wg.sleep(0)
+        (warning,) = [r.message for r in caplog.records if "waits on" in r.message]
+        assert "'pid'" in warning and "abandoned by a deadline" in warning and "not finished" in warning
+        assert "running" not in warning
+        wg._gather(futures, "sleep_async")
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_slower_than_the_lost_worker_timeout_keeps_the_workers(hclient):
+    # A LocalCluster closes the Nanny of a worker not back within lost-worker-timeout of
+    # its removal; here every restart is slower than that (starting a process takes
+    # seconds), as importing torch on a loaded machine makes it slower than the default 15 s.
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        pid = wg.pid()[0]
+        t0 = time.monotonic()
+        with dask_config({"distributed.deploy.lost-worker-timeout": "0.5s"}):
+            wg.restart()
+        print(f"\n[restart] restart() with lost-worker-timeout 0.5 s: {time.monotonic() - t0:.2f} s")
+        assert wg.pid()[0] != pid and not wg.is_broken
+    wait_for_workers(hclient, 3, timeout=60)
+
+
 # ---- Ctrl-C --------------------------------------------------------------------------
 
 _CTRL_C_DRIVER = textwrap.dedent(
@@ -274,14 +391,102 @@ def test_ctrl_c_during_a_call_leaves_nothing_waiting_silently(hang_cluster, hcli
         assert len(wg.pid()) == 2
 
 
-def _wait_for_state(wg: WorkerGroup, predicate, seconds: float = 30.0) -> list[dict]:
-    end = time.monotonic() + seconds
-    while True:
-        status = wg.status()
-        if all(predicate(r) for r in status):
-            return status
-        assert time.monotonic() < end, status
-        time.sleep(0.1)
+_LOCAL_CLUSTER_DRIVER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, {tests!r})
+    from distributed import Client
+    import daskwg
+    from daskwg import WorkerGroup
+    from hang_workers import HangWorker
+
+    out = {{}}
+    with daskwg.local_cluster(n_workers=1, dashboard_address=":0") as cluster, Client(cluster) as client:
+        wg = WorkerGroup(client, HangWorker, world_size=1)
+        out["pid"] = wg.pid()[0]
+        print("started", flush=True)
+        try:
+            wg.sleep(4)
+        except KeyboardInterrupt:
+            out["interrupted"] = time.monotonic()
+            print("interrupted", flush=True)
+        t0 = time.monotonic()
+        try:
+            with daskwg.deadline(60):
+                out["pid_after"] = wg.pid()[0]
+        except daskwg.WorkerGroupError as exc:
+            out["error"] = repr(exc)
+        out["next_call_s"] = time.monotonic() - t0
+        wg.shutdown()
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_in_the_terminal_of_a_local_cluster_driver_leaves_its_workers_alive():
+    # A terminal's Ctrl-C sends SIGINT to its whole foreground process group: the driver
+    # and the worker processes local_cluster() started for it.
+    script = _LOCAL_CLUSTER_DRIVER.format(tests=TESTS_DIR)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.stdout.readline().strip() == "interrupted"
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    print(f"\n[ctrl-c] local_cluster driver: the next call returned after {out['next_call_s']:.2f} s")
+    assert "error" not in out, out["error"]
+    assert out["pid_after"] == out["pid"]  # the same worker process, still alive
+    assert "KeyboardInterrupt" not in stderr, stderr[-3000:]
+
+
+_DEPARTING_DRIVER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from distributed import Client
+    from daskwg import WorkerGroup
+
+    with Client({address!r}) as client:
+        wg = WorkerGroup.attach(client, {name!r})
+        wg.sleep_async(1.0)
+        for tag in ("first", "second", "third"):
+            wg.note_async(tag)
+    print("queued", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_the_calls_a_departing_driver_queued_on_a_detached_group_all_run(hang_cluster, hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=1, name="outlives-its-callers", detached=True)
+    try:
+        script = _DEPARTING_DRIVER.format(
+            tests=TESTS_DIR, address=hang_cluster.scheduler_address, name=wg.name
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+        assert done.stdout.strip() == "queued", done.stderr[-3000:]
+        t0 = time.monotonic()
+        events: list[str] = []
+        while len(events) < 3 and time.monotonic() - t0 < 30:
+            events += wg.take_events()[0]
+            time.sleep(0.2)
+        print(f"\n[departing driver] its 3 queued calls ran {time.monotonic() - t0:.2f} s after it exited")
+        assert events == ["first", "second", "third"]
+    finally:
+        wg.shutdown()
 
 
 def test_cancelling_futures_skips_queued_calls_and_interrupts_async_ones(hclient):
@@ -363,6 +568,7 @@ def test_restart_workers_during_a_call_raises_worker_lost(hclient, blocking):
         f"\n[detect] restart_workers during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
     )
     assert info.value.rank == 1 and wg.is_broken
+    assert "it was restarted (client.restart_workers" in str(info.value), str(info.value)
     thread.join(90)
     wg.shutdown()
     _wait_until_ranks_free(wg)
@@ -384,6 +590,7 @@ def _client_restart_during_a_call(client: Client, blocking: bool) -> None:
     with pytest.raises(WorkerLostError) as info:
         _call(wg, blocking)
     assert "t" in record, f"WorkerLostError before client.restart(): {info.value}"
+    assert "restarted with every worker (client.restart())" in str(info.value), str(info.value)
     print(
         f"\n[detect] client.restart() during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
     )
@@ -411,6 +618,7 @@ def test_retiring_a_worker_during_a_blocking_call_raises_worker_lost(shrinking_c
         f"\n[detect] retire_workers during a blocking call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
     )
     assert info.value.rank == wg.world_size - 1
+    assert "it was retired" in str(info.value), str(info.value)
     wg.shutdown()
     _wait_until_ranks_free(wg)
 
@@ -421,7 +629,7 @@ def test_scaling_down_during_a_non_blocking_call_raises_worker_lost(shrinking_cl
     wg = _group_when_free(client)
     record = {}
     _later(1.0, lambda: cluster.scale(wg.world_size - 1), record)
-    with pytest.raises(WorkerLostError):
+    with pytest.raises(WorkerLostError, match="the cluster was scaled down"):
         _call(wg, blocking=False)
     print(
         f"\n[detect] cluster.scale(n - 1) during a call -> WorkerLostError: {time.monotonic() - record['t']:.2f} s"
@@ -514,7 +722,49 @@ def test_a_chained_future_that_cannot_be_built_blames_the_producing_call(hclient
         assert isinstance(info.value.exception, ValueError)
 
 
+def test_a_detached_group_shut_down_by_another_driver_raises_group_broken(hang_cluster, hclient):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2, name="shut-by-another", detached=True)
+    with Client(hang_cluster.scheduler_address) as other:
+        WorkerGroup.attach(other, wg.name).shutdown()
+    for blocking in (True, False):
+        with pytest.raises(GroupBrokenError, match="is not hosted on"):
+            wg.pid() if blocking else wg._gather(wg.sleep_async(0), "sleep_async")
+    wg.shutdown()
+
+
 # ---- resources -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_failed_calls_whose_errors_are_dropped_leave_no_keys_and_no_batches(hclient):
+    mib = 4
+    with WorkerGroup(hclient, LeakWorker, world_size=2) as wg:
+
+        def ours() -> list:
+            return [k for k in hclient.who_has() if wg.name in str(k)]
+
+        before = hclient.run(tensor_bytes, workers=wg.workers)
+        for seed in range(20):
+            try:
+                wg.produce_fail(seed).get()
+            except RankError:
+                pass
+        for _ in range(20):
+            try:
+                wg.consume_fail(wg.produce(mib)).get()
+            except RankError:
+                pass
+        assert not wg.is_broken  # settles the last call, letting go of its futures
+        end = time.monotonic() + 30
+        while ours() and time.monotonic() < end:
+            time.sleep(0.2)
+        after = hclient.run(tensor_bytes, workers=wg.workers)
+        grown = {a: (after[a] - before[a]) / 2**20 for a in wg.workers}
+        print(
+            f"\n[leaks] 40 failed calls (20 over {mib} MiB per rank): keys left {len(ours())}, tensor MiB grown {grown}"
+        )
+        assert ours() == []
+        assert all(g < mib for g in grown.values()), grown  # one batch would be 4 MiB, 20 of them 80 MiB
 
 
 @pytest.mark.timeout(150)

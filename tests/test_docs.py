@@ -3,6 +3,7 @@ API reference names every public name."""
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -59,12 +60,13 @@ def test_page_code_runs(page, client4):
             raise AssertionError(f"the code block at {page.name}:{line} failed: {exc!r}") from exc
 
 
-@pytest.mark.timeout(600)
-def test_api_reference_names_every_public_name(tmp_path):
+@pytest.fixture(scope="module")
+def api_reference(tmp_path_factory) -> str:
+    """The HTML of the built site's API reference (``mkdocs build --strict``, as ``tox -e docs``)."""
     pytest.importorskip("mkdocstrings")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env["NO_MKDOCS_2_WARNING"] = "1"
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("site")
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
@@ -74,6 +76,31 @@ def test_api_reference_names_every_public_name(tmp_path):
         timeout=540,
     )
     assert build.returncode == 0, build.stderr[-4000:]
-    reference = (site / "api" / "index.html").read_text()
-    missing = [name for name in daskwg.__all__ if f'id="daskwg.{name}"' not in reference]
+    return (site / "api" / "index.html").read_text()
+
+
+def _text(page: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+@pytest.mark.timeout(600)
+def test_api_reference_names_every_public_name(api_reference):
+    missing = [name for name in daskwg.__all__ if f'id="daskwg.{name}"' not in api_reference]
     assert not missing, f"names of daskwg.__all__ missing from the API reference: {missing}"
+
+
+@pytest.mark.timeout(600)
+def test_api_reference_links_names_instead_of_showing_sphinx_roles(api_reference):
+    roles = re.findall(r":(?:class|meth|func|attr|data|exc|mod):`?\w", _text(api_reference))
+    assert roles == [], f"raw Sphinx roles in the API reference: {roles[:10]}"
+    # The cross-references are links: WorkerGroup's docstring links to ClassWithInitArgs.
+    start = api_reference.index('id="daskwg.WorkerGroup"')
+    assert 'href="#daskwg.ClassWithInitArgs"' in api_reference[start : start + 20000]
+
+
+@pytest.mark.timeout(600)
+def test_a_returns_text_over_several_lines_is_one_row_of_the_returns_table(api_reference):
+    start = api_reference.index('id="daskwg.create_colocated_worker_cls"')
+    returns = api_reference[start:].split("Returns:", 1)[1].split("</table>", 1)[0]
+    assert returns.count("<tr") == 2, returns  # the header and one value
+    assert "wg.spawn(class_dict.keys())" in _text(returns)

@@ -17,7 +17,6 @@ import torch
 from conftest import CLICluster, free_port, process_cluster, wait_for_workers
 from dask.config import set as dask_config
 from distributed import Client, Nanny, Scheduler, SpecCluster
-from distributed.client import FutureCancelledError
 from fault_workers import FaultWorker
 from workers import AddWorker
 
@@ -71,6 +70,7 @@ def test_worker_killed_during_a_blocking_call_raises_worker_lost(fresh_cluster4)
     assert info.value.rank == 1
     assert info.value.address == wg.workers[1]
     assert wg.workers[1] in str(info.value)
+    assert "its process was killed by signal 9 (SIGKILL)" in str(info.value), str(info.value)
     assert wg.is_broken
     with pytest.raises(WorkerLostError, match="rank 1"):
         wg.pid()
@@ -92,11 +92,48 @@ def test_worker_killed_during_a_non_blocking_call_raises_worker_lost():
             f"\n[detect] non-blocking call (gather), SIGKILL -> WorkerLostError: {time.monotonic() - killed['t']:.3f} s"
         )
         assert (info.value.rank, info.value.address) == (1, wg.workers[1])
-        # A plain Dask future of the lost rank does not wait forever either.
-        with pytest.raises(FutureCancelledError, match="WorkerLostError"):
+        assert "killed by signal 9 (SIGKILL)" in str(info.value), str(info.value)
+        # A plain Dask future of the lost rank does not wait forever either, and raises
+        # daskwg's error, not Dask's FutureCancelledError.
+        with pytest.raises(WorkerLostError, match="killed by signal 9"):
             futures[1].result(timeout=30)
         with pytest.raises(WorkerLostError):
             wg.sleep_async(0)
+
+
+@pytest.mark.timeout(120)
+def test_after_a_lost_worker_only_busy_ranks_are_named_and_a_refused_rebuild_says_to_wait(caplog):
+    with process_cluster(2) as cluster, Client(cluster) as client:
+        wg = WorkerGroup(client, FaultWorker, world_size=2)
+        survivor = wg.workers[0]
+        _kill_later(wg.pid()[1], 1.0, {})
+        with pytest.raises(WorkerLostError):
+            wg.sleep(4)  # rank 0 sleeps on for about 3 s
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="daskwg"):
+            for _ in range(2):
+                with pytest.raises(
+                    GroupBrokenError, match="still stuck in 'sleep' of the broken group"
+                ) as info:
+                    WorkerGroup(client, FaultWorker, workers=[survivor])
+        assert "Wait for that call to end and retry" in str(info.value)
+        assert [r.message for r in caplog.records if r.name.startswith("daskwg")] == []  # refused, not logged
+        t0 = time.monotonic()
+        while True:
+            try:
+                fresh = WorkerGroup(client, FaultWorker, workers=[survivor])
+                break
+            except GroupBrokenError:
+                assert time.monotonic() - t0 < 30
+                time.sleep(0.2)
+        print(
+            f"\n[stuck] a rebuild on the survivor of a lost worker succeeded {time.monotonic() - t0:.2f} s later"
+        )
+        fresh.shutdown()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="daskwg"):
+            wg.shutdown()  # rank 0 is idle now: nothing to say about it
+        assert [r.message for r in caplog.records if r.name.startswith("daskwg")] == []
 
 
 @pytest.mark.timeout(90)

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class QueuedCall:
-    """A call waiting for its turn on the host thread, since ``since`` (``time.time()``)."""
+    """A call waiting for its turn on the host thread, since ``since`` (``time.monotonic()``:
+    durations must not jump when the wall clock is stepped)."""
 
     call: Call
     since: float
@@ -32,7 +33,7 @@ class QueuedCall:
 
 @dataclass(frozen=True)
 class RunningCall:
-    """The call the host thread runs now: since ``since`` (``time.time()``), on thread ``ident``."""
+    """The call the host thread runs now: since ``since`` (``time.monotonic()``), on thread ``ident``."""
 
     call: Call
     since: float
@@ -55,7 +56,7 @@ class CallTable:
     def queue(self, call: Call) -> None:
         """``call`` waits for its turn from now."""
         with self._lock:
-            self._queued[(call.session, call.seq)] = QueuedCall(call, time.time())
+            self._queued[(call.session, call.seq)] = QueuedCall(call, time.monotonic())
 
     def dequeue(self, call: Call) -> None:
         """``call`` no longer waits (it starts, was refused or was skipped)."""
@@ -71,7 +72,7 @@ class CallTable:
     def start(self, call: Call) -> None:
         """The host thread starts ``call`` (it leaves the queue)."""
         self.dequeue(call)
-        self.running = RunningCall(call, time.time(), threading.get_ident())
+        self.running = RunningCall(call, time.monotonic(), threading.get_ident())
 
     def finish(self) -> None:
         """The host thread finished its call."""

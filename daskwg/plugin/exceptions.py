@@ -28,6 +28,10 @@ def shippable(exc: RankError) -> RankError:
     exc.__cause__ = None
     exc.__context__ = None
     exc.__suppress_context__ = True
+    if exc.exception is not None:
+        # Its traceback is text already (remote_traceback); the frames would keep the
+        # method's locals (its batch) alive for as long as Dask keeps the error.
+        exc.exception.__traceback__ = None
     return exc
 
 

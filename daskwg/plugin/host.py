@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.metadata
 import logging
 import multiprocessing
 import socket
@@ -45,14 +46,14 @@ from distributed.protocol import to_serialize
 
 from .. import serialization  # serialization also installs the tensor serializer in workers
 from ..config import Settings
-from ..errors import GroupBrokenError, RankError, safe_str
+from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
 from ..metrics import CallMetrics, payload_nbytes
-from ..wire import PLUGIN_NAME, Call, status_record
+from ..wire import PLUGIN_NAME, WIRE_FORMAT, Call, status_record
 from . import rows
 from .calls import CallTable
 from .exceptions import picklable, rank_error, with_message
 from .process_group import ProcessGroups
-from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot
+from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot, strip_padding
 from .rank_loop import install_signal_shim, rank_thread, task_stack
 from .sequencer import Sequencer
 
@@ -146,8 +147,13 @@ class HostPlugin(WorkerPlugin):
             )
             return failed
         self.calls.queue(call)
+        with self._hosted_lock:
+            hosted = self._hosted.get((call.group_id, call.rank))
         result = self._sequencer.submit(
-            call.session, call.seq, lambda: self._execute_counted(call, payload, lazy_values)
+            call.session,
+            call.seq,
+            lambda: self._execute_counted(call, payload, lazy_values),
+            outlives=hosted is not None and hosted.detached,
         )
         if result.done():  # refused at once: it never takes a place in the order
             self.calls.dequeue(call)
@@ -262,7 +268,9 @@ class HostPlugin(WorkerPlugin):
         with self._hosted_lock:
             hosted = dict(self._hosted)
         queued = self.calls.queued()
-        now = time.time()
+        # The same clock as CallTable's: a stepped wall clock (NTP, a VM resumed) must not
+        # turn a call's age negative or inflate it.
+        now = time.monotonic()
         records = []
         for (group_id, rank), h in hosted.items():
             last_error = self._last_error.get((group_id, rank))
@@ -343,6 +351,11 @@ class HostPlugin(WorkerPlugin):
         except RankError as exc:
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
             raise
+        except (GroupBrokenError, VersionMismatchError):
+            # The rank is gone (shut down by another driver, released, restarted), or
+            # this worker cannot serve the driver: the group's error, not the method's;
+            # it reaches the driver as itself (``except GroupBrokenError`` catches it).
+            raise
         except BaseException as exc:  # noqa: BLE001
             self._last_error[(call.group_id, call.rank)] = (
                 f"{call.method}: {type(exc).__name__}: {safe_str(exc)}"
@@ -365,6 +378,7 @@ class HostPlugin(WorkerPlugin):
         with self._hosted_lock:
             if key in self._hosted:
                 raise GroupBrokenError(f"rank {call.rank} of group {call.group_name!r} already exists here")
+        _check_wire(payload, call)
         env = dict(payload["env"])
         skip_signals = bool(payload.get("skip_signal_handlers", False))
         check_pg = bool(payload.get("check_process_group", True))
@@ -433,13 +447,14 @@ class HostPlugin(WorkerPlugin):
     def _invoke(self, call: Call, payload: tuple, lazy_values: list | None) -> Any:
         hosted = self._lookup(call)
         args, kwargs = payload
+        padding = 0
         if lazy_values is not None:
-            args, kwargs = resolve_inputs(call, args, kwargs, lazy_values, self.worker)
+            args, kwargs, padding = resolve_inputs(call, args, kwargs, lazy_values, self.worker)
         self._process_groups.check(call, hosted.world_size, hosted.check_process_group)
         self._env.apply(hosted.env)
         rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
         try:
-            result = hosted.call(call, args, kwargs)
+            result = strip_padding(hosted.call(call, args, kwargs), padding)
         finally:
             self._process_groups.note(call, hosted.world_size)
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
@@ -466,6 +481,26 @@ class HostPlugin(WorkerPlugin):
                 self._reserved_ports.add(chosen)
                 return chosen
         raise OSError(f"could not find a free port on {host}")
+
+
+def _check_wire(payload: dict, call: Call) -> None:
+    """Refuse to build a rank for a driver that speaks another wire format.
+
+    Raises:
+        VersionMismatchError: naming both formats and both daskwg versions.
+    """
+    theirs = payload.get("wire")
+    if theirs == WIRE_FORMAT:
+        return
+    try:
+        mine = importlib.metadata.version("daskwg")
+    except importlib.metadata.PackageNotFoundError:
+        mine = None
+    raise VersionMismatchError(
+        f"cannot build rank {call.rank} of group {call.group_name!r}: the driver speaks daskwg wire format "
+        f"{theirs} (daskwg {payload.get('daskwg')}), this worker wire format {WIRE_FORMAT} (daskwg {mine}); "
+        "install the same daskwg wheel in the driver's and every worker's environment"
+    )
 
 
 def _bind_worker(worker: Any) -> None:

@@ -15,13 +15,17 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from tensordict import TensorDictBase
+
 from .. import serialization, wire
 from ..errors import RankError
+from ..futures import padding_of, rows_of
+from ..protocol import DataProto, unpad_rows
 from ..wire import Call, LazyArg
 from . import rows
 from .rank_loop import RankLoop
 
-__all__ = ["HostedRank", "ProcessEnv", "resolve_inputs", "snapshot"]
+__all__ = ["HostedRank", "ProcessEnv", "resolve_inputs", "strip_padding", "snapshot"]
 
 
 class ProcessEnv:
@@ -111,9 +115,11 @@ class HostedRank:
 
 
 def resolve_inputs(call: Call, args: tuple, kwargs: dict, lazy_values: list, worker: Any) -> tuple:
-    """``(args, kwargs)`` with every :class:`~daskwg.wire.LazyArg` built from what Dask
-    resolved for it; a failure here (parts that do not concatenate, say) is the producing
-    call's, and is blamed on it.
+    """``(args, kwargs, padding)`` with every :class:`~daskwg.wire.LazyArg` built from what
+    Dask resolved for it; a failure here (parts that do not concatenate, say) is the
+    producing call's, and is blamed on it. ``padding``: the rows of padding that end this
+    rank's piece of a future cut by ``DP_COMPUTE_PROTO`` (:data:`daskwg.pieces.STRIP`),
+    which :func:`strip_padding` takes off the rank's output.
 
     Raises:
         RankError: naming the producing call and ``call``'s method.
@@ -137,7 +143,23 @@ def resolve_inputs(call: Call, args: tuple, kwargs: dict, lazy_values: list, wor
             traceback.format_exc(),
             exc,
         ) from None
-    return tuple(resolved_args), resolved_kwargs
+    padding = max(
+        (
+            padding_of(v.spec, [info.rows for info in lazy_values[v.index]])
+            for v in (*args, *kwargs.values())
+            if isinstance(v, LazyArg) and v.kind == wire.ROWS
+        ),
+        default=0,
+    )
+    return tuple(resolved_args), resolved_kwargs, padding
+
+
+def strip_padding(result: Any, padding: int) -> Any:
+    """``result`` without its last ``padding`` rows, as the driver unpads a collected
+    output (a DataProto or TensorDict with that many rows; anything else as it is)."""
+    if padding and isinstance(result, (DataProto, TensorDictBase)) and rows_of(result) >= padding:
+        return unpad_rows(result, padding)
+    return result
 
 
 def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:

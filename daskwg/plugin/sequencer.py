@@ -46,13 +46,16 @@ class Sequencer:
     def _done(self, session: str, seq: int) -> None:
         self.progress[session] = seq
 
-    def submit(self, session: str, seq: int, fn: Callable[[], Any]) -> ConcurrentFuture:
+    def submit(
+        self, session: str, seq: int, fn: Callable[[], Any], outlives: bool = False
+    ) -> ConcurrentFuture:
         """Run ``fn`` on the thread once call ``seq`` of driver ``session`` has its turn;
-        returns the future of its result (failed at once for a departed driver or a
-        number that came twice)."""
+        returns the future of its result (failed at once for a departed driver, unless
+        the call ``outlives`` it: a call of a detached group, which runs as a detached Ray
+        actor's queued tasks do; or for a number that came twice)."""
         result: ConcurrentFuture = ConcurrentFuture()
         with self._lock:
-            if session in self._released:
+            if session in self._released and not outlives:
                 result.set_exception(
                     GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
                 )
@@ -78,10 +81,9 @@ class Sequencer:
                 self._release(state)
 
     def forget(self, session: str) -> None:
-        """Drop a driver that left; its calls from now on are refused, not queued
-        (its sequence numbers would count from a state that is gone)."""
+        """A driver left: its calls from now on are refused, except those that outlive it
+        (see :meth:`submit`), which keep their order: its numbers still count on."""
         with self._lock:
-            self._sessions.pop(session, None)
             self._released.add(session)
 
     def _release(self, state: _Session) -> None:

@@ -57,7 +57,11 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
     except RankError as exc:
         if host.calls.was_cancelled(call):
             return None  # its future was cancelled: Dask drops whatever the task gives
-        raise shippable(exc) from None
+        # Dask keeps a failed task's exception and traceback while its future lives: they
+        # must not hold the call's inputs (a batch) in their frames.
+        error = shippable(exc).with_traceback(None)
+        del exc, payload, lazy_values, result
+        raise error from None
     finally:
         host.calls.forget_cancelled(call)
 

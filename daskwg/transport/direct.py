@@ -90,15 +90,16 @@ class DirectPath:
             (c.rank, CallWatch(self.ranks.driver, self.ranks.address(c.rank), c.seq) if private else t)
             for c, t in pending_calls
         ]
+        seqs = {c.rank: c.seq for c, _ in pending_calls}
         if failed:
             exc = failed[0].exception()
             if pending and isinstance(exc, RankError):
-                self.failures.unsettle(grace, calls[0].method, exc.rank, pending)
+                self.failures.unsettle(grace, calls[0].method, exc.rank, pending, seqs)
             elif pending and isinstance(exc, WorkerLostError):
-                self.failures.mark_stuck(calls[0].method, pending)
+                self.failures.mark_stuck(calls[0].method, pending, seqs)
             raise exc
         if pending:
-            self.failures.abandon(calls[0].method, pending, "deadline")
+            self.failures.abandon(calls[0].method, pending, "deadline", seqs)
             done = {c.rank for c, t in zip(calls, tasks) if t.done()}
             raise await timeout_error(
                 self.ranks, pool, calls, done, limit, time.monotonic() - t0, status_timeout
@@ -123,8 +124,11 @@ class DirectPath:
             except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
                 pass
             raise transfer_error(call.rank, address, call.method, exc) from None
+        # A reply means the call has ended there (and, calls ending in order, every
+        # earlier one of this driver): no later call waits behind those any more.
+        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
         if response.get("status") != "OK":
-            raise self.failures.response_error(call, response["exception"])
+            raise await self.failures.response_error(call, response["exception"])
         try:
             return serialization.unpack(response["result"])
         except TRANSFER_ERRORS as exc:

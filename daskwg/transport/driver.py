@@ -26,6 +26,7 @@ from distributed import Client, Future
 from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
 from ..wire import Call
+from . import losses
 from .channel import Channel
 
 __all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
@@ -41,11 +42,21 @@ class StuckCall:
         group_name: the broken group.
         method: the call's method.
         watch: has ``done()``: whether the call has ended on the rank.
+        since: ``time.monotonic()`` when the group broke with it running.
+        seq: its sequence number on that worker (-1: unknown).
     """
 
     group_name: str
     method: str
     watch: Any
+    since: float = 0.0
+    seq: int = -1
+
+    def describe(self, now: float) -> str:
+        return (
+            f"still stuck in {self.method!r} of the broken group {self.group_name!r} "
+            f"({now - self.since:.1f} s since it broke; a rank failed while this one waited, e.g. in a collective)"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class AbandonedCall:
         watch: has ``done()``: whether the call has ended on the rank.
         since: ``time.monotonic()`` when it was abandoned.
         why: ``"deadline"`` or ``"interrupted"``.
+        seq: its sequence number on that worker (-1: unknown).
     """
 
     group_name: str
@@ -64,6 +76,14 @@ class AbandonedCall:
     watch: Any
     since: float
     why: str
+    seq: int = -1
+
+    def describe(self, now: float) -> str:
+        by = "a deadline" if self.why == "deadline" else "Ctrl-C" if self.why == "interrupted" else self.why
+        return (
+            f"still busy with {self.method!r} of group {self.group_name!r}, abandoned by {by} "
+            f"{now - self.since:.1f} s ago and not finished there yet"
+        )
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,9 @@ class Driver:
         # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run, by
         # server id. Later calls to that worker queue behind them, and say so.
         self.abandoned: dict[str, AbandonedCall] = {}
+        #: server id -> the highest sequence number of this driver's calls known to have
+        #: ended there: calls end in order, so every earlier one has ended too.
+        self.finished: dict[str, int] = {}
         self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
         #: every task-path future of this driver -> its :class:`TaskCall`, while it lives.
         self.calls: weakref.WeakKeyDictionary[Future, TaskCall] = weakref.WeakKeyDictionary()
@@ -159,6 +182,10 @@ class Driver:
         self.placement: dict[str, str] = {}
         #: part key -> future of its ``wire.PartInfo``, while the part's future lives.
         self.part_infos: dict[str, Future] = {}
+        #: worker address -> the reason of its last ``closing-worker`` event (why it closed).
+        self.closing: dict[str, str] = {}
+        #: worker address -> ``(nanny address, pid)`` of the process watched there last.
+        self.processes: dict[str, tuple[str | None, int | None]] = {}
 
     @classmethod
     def of(cls, client: Client) -> Driver:
@@ -215,18 +242,28 @@ class Driver:
         for slot in slots:
             self.server_ids[slot.address].add(slot.server_id)
             self.started[slot.server_id] = slot.started
+            self.processes[slot.address] = (getattr(slot, "nanny", None), getattr(slot, "pid", None))
             if slot.address not in self.watched:
                 self.watched.add(slot.address)
                 self.client.subscribe_topic(
                     slot.address, functools.partial(self._on_worker_event, slot.address)
                 )
 
-    def _on_worker_event(self, address: str, event: tuple) -> None:
+    def _on_worker_event(self, address: str, event: tuple, exit_detail: str | None = None) -> None:
         when, msg = event
         if not isinstance(msg, dict):
             return
-        if msg.get("action") == "remove-worker":
-            reason = self._memory_kill_reason(address) or msg.get("stimulus_id", "")
+        if msg.get("action") == "closing-worker":
+            self.closing[address] = str(msg.get("reason", ""))
+        elif msg.get("action") == "remove-worker":
+            closing = self.closing.get(address)
+            nanny, pid = self.processes.get(address, (None, None))
+            if exit_detail is None and nanny and losses.needs_exit_detail(msg, closing):
+                # Its process died without a word: ask its Nanny how (a moment, bounded).
+                asyncio.ensure_future(self._on_removal_with_exit_detail(address, event, nanny, pid))
+                return
+            self.closing.pop(address, None)
+            reason = self._memory_kill_reason(address) or losses.removal_reason(msg, closing, exit_detail)
             orphans = []
             removed = self.server_ids.pop(address, set())
             # Events can arrive after a group was already built on the restarted process
@@ -242,14 +279,12 @@ class Driver:
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
             if orphans:
                 # A task pinned to a worker that is gone would wait forever ("no-worker"
-                # state) in a plain future.result(): cancel it, saying why.
-                asyncio.ensure_future(
-                    self.client._cancel(
-                        orphans,
-                        reason="worker-lost",
-                        msg=f"WorkerLostError: the worker {address} was lost ({reason})",
-                    )
-                )
+                # state) in a plain future.result(): it fails with WorkerLostError.
+                errors = [
+                    WorkerLostError(self.calls[f].call.rank if f in self.calls else -1, address, reason)
+                    for f in orphans
+                ]
+                asyncio.ensure_future(losses.fail_futures(self.client, orphans, errors))
             self.paused.pop(address, None)
             for transport in list(self.transports):
                 transport.worker_lost(address, reason)
@@ -263,6 +298,12 @@ class Driver:
                     asyncio.ensure_future(self._give_up_paused_calls(address, since))
             else:
                 self.paused.pop(address, None)
+
+    async def _on_removal_with_exit_detail(
+        self, address: str, event: tuple, nanny: str, pid: int | None
+    ) -> None:
+        detail = await losses.exit_detail(self.client.rpc(nanny), pid)
+        self._on_worker_event(address, event, exit_detail=detail or "")
 
     async def _give_up_paused_calls(self, address: str, since: float) -> None:
         """While ``address`` stays paused, cancel its task-path calls that have waited
@@ -299,9 +340,7 @@ class Driver:
                         pause_fraction=figures.get("pause") or None,
                         paused_for=now - since,
                     )
-                    await self.client._cancel(
-                        [f], reason="worker-paused", msg=f"WorkerPausedError: {self.paused_out[f.key]}"
-                    )
+                    await losses.fail_futures(self.client, [f], [self.paused_out[f.key]])
             await asyncio.sleep(poll)
 
     async def _memory_figures(self, address: str) -> dict:
@@ -340,29 +379,42 @@ class Driver:
         """Why the worker at ``address`` went away, if the nanny or scheduler said so."""
         return self._memory_kill_reason(address) or self.lost.get(server_id)
 
+    def note_finished(self, server_id: str, seq: int) -> None:
+        """Call ``seq`` of this driver ended on worker process ``server_id`` (a reply came)."""
+        if seq > self.finished.get(server_id, -1):
+            self.finished[server_id] = seq
+
+    def _live(self, table: dict, server_id: str) -> Any:
+        entry = table.get(server_id)
+        if entry is None:
+            return None
+        if entry.watch.done() or 0 <= entry.seq <= self.finished.get(server_id, -1):
+            table.pop(server_id, None)
+            return None
+        return entry
+
+    def busy_call(self, slot: Any) -> StuckCall | AbandonedCall | None:
+        """The call ``slot``'s worker is still busy with that nothing should queue behind
+        silently: a broken group's straggler, or a call the driver abandoned."""
+        return self._live(self.stuck, slot.server_id) or self._live(self.abandoned, slot.server_id)
+
     def warn_if_abandoned(self, slots: Sequence[Any], what: str) -> None:
         """Log, once per call, that ``what`` queues behind a call the driver abandoned.
 
         Calls run one at a time on a worker, so the new call waits until the abandoned
         one ends (its deadline, if any, still applies): it must not wait silently.
         """
+        now = time.monotonic()
         for slot in slots:
-            entry = self.abandoned.get(slot.server_id)
-            if entry is None:
-                continue
-            if entry.watch.done():
-                self.abandoned.pop(slot.server_id, None)
-                continue
-            logger.warning(
-                "%s waits on %s behind %r of group %r, abandoned %.1f s ago (%s) and still running; "
-                "wg.status() shows where it is, wg.restart() replaces the process",
-                what,
-                slot.address,
-                entry.method,
-                entry.group_name,
-                time.monotonic() - entry.since,
-                entry.why,
-            )
+            entry = self._live(self.abandoned, slot.server_id)
+            if entry is not None:
+                logger.warning(
+                    "%s waits on %s: the worker is %s; wg.status() shows where it is, wg.restart() replaces "
+                    "the process",
+                    what,
+                    slot.address,
+                    entry.describe(now),
+                )
 
     def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to queue work behind a rank stuck in a call of a broken group.
@@ -371,16 +423,33 @@ class Driver:
         the stuck call returns (for a collective: its timeout, 30 min by default for
         gloo), which is a hang as far as the user can tell.
         """
+        now = time.monotonic()
         for slot in slots:
-            entry = self.stuck.get(slot.server_id)
-            if entry is None:
-                continue
-            if entry.watch.done():
-                self.stuck.pop(slot.server_id, None)
-                continue
-            raise GroupBrokenError(
-                f"cannot run {what} on {slot.address}: its host thread is still stuck in {entry.method!r} of the "
-                f"broken group {entry.group_name!r} (a rank failed while this one waited, e.g. in a collective), "
-                "and calls run one at a time there. Restart the workers (client.restart()), or let the "
-                "collective time out (pass a short timeout= to init_process_group) and retry"
-            )
+            entry = self._live(self.stuck, slot.server_id)
+            if entry is not None:
+                raise GroupBrokenError(
+                    f"cannot run {what} on {slot.address}: its host thread is {entry.describe(now)}, and calls "
+                    "run one at a time there. Wait for that call to end and retry, let the collective time out "
+                    "(pass a short timeout= to init_process_group), or restart that worker "
+                    f"(client.restart_workers([{slot.address!r}]))"
+                )
+
+    def check_not_behind_abandoned(self, slots: Sequence[Any], what: str) -> None:
+        """Refuse to build a group's ranks, without a deadline, behind a call the driver
+        abandoned: the build would wait for a call that may never end (a rank in an
+        infinite loop), without a word.
+
+        Raises:
+            GroupBrokenError: naming the call, its group and age, and what to do.
+        """
+        now = time.monotonic()
+        for slot in slots:
+            entry = self._live(self.abandoned, slot.server_id)
+            if entry is not None:
+                raise GroupBrokenError(
+                    f"cannot build {what} on {slot.address}: the worker is {entry.describe(now)}, and calls run "
+                    "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
+                    "on other workers (workers=...), wait for that call to end, give the build a deadline "
+                    "(with daskwg.deadline(s): ...) to wait behind it, or restart that worker "
+                    f"(client.restart_workers([{slot.address!r}]))"
+                )

@@ -51,6 +51,7 @@ class CallWatch:
     ``daskwg_progress`` from the client's event loop. ``done()`` like a future."""
 
     def __init__(self, driver: Driver, address: str, seq: int, interval: float = 0.1):
+        self.seq = seq
         self._event = threading.Event()
         driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
 
@@ -66,6 +67,17 @@ class CallWatch:
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
             pass
         self._event.set()
+
+
+class _Numbered:
+    """A watch (``done()``) with the sequence number of the call it follows."""
+
+    def __init__(self, watch: Any, seq: int):
+        self.watch = watch
+        self.seq = seq
+
+    def done(self) -> bool:
+        return self.watch.done()
 
 
 @dataclass(frozen=True)
@@ -132,28 +144,46 @@ class FailureState:
                 "threads stay stuck: client.restart())"
             )
 
-    def unsettle(self, grace: float, method: str, failed_rank: int, pending: list) -> None:
+    def unsettle(
+        self, grace: float, method: str, failed_rank: int, pending: list, seqs: dict | None = None
+    ) -> None:
         """Record that ``method`` failed on ``failed_rank`` while ``pending`` (``(rank, watch)``)
-        still ran it; :meth:`settle` decides after ``grace`` seconds."""
+        still ran it; :meth:`settle` decides after ``grace`` seconds. ``seqs``: rank ->
+        the call's sequence number, where the watches do not tell it."""
+        if seqs:
+            pending = [(rank, _Numbered(watch, seqs.get(rank, -1))) for rank, watch in pending]
         self.unsettled = Unsettled(time.monotonic() + grace, method, failed_rank, pending)
 
-    def mark_stuck(self, method: str, pending: list) -> list:
+    def mark_stuck(self, method: str, pending: list, seqs: dict | None = None) -> list:
         """Record ``(rank, watch)`` pairs still running a failed call on the driver, so
         that nothing is queued behind them (:meth:`Driver.check_not_stuck`). Returns them."""
         stuck = [(rank, w) for rank, w in pending if not w.done()]
+        now = time.monotonic()
         for rank, w in stuck:
-            self.driver.stuck[self.ranks.slots[rank].server_id] = StuckCall(self.ranks.name, method, w)
+            self.driver.stuck[self.ranks.slots[rank].server_id] = StuckCall(
+                self.ranks.name, method, w, now, self._seq_of(rank, w, seqs)
+            )
         return stuck
 
-    def abandon(self, method: str, pending: list, why: str) -> None:
+    def abandon(self, method: str, pending: list, why: str, seqs: dict | None = None) -> None:
         """Record ``(rank, watch)`` pairs of a call the driver stopped waiting for
         (``why``: "deadline", "interrupted"), so later calls behind it say what they wait
         for (:meth:`Driver.warn_if_abandoned`) and shutdown does not wait on them."""
         now = time.monotonic()
         for rank, watch in pending:
             self.driver.abandoned[self.ranks.slots[rank].server_id] = AbandonedCall(
-                self.ranks.name, method, watch, now, why
+                self.ranks.name, method, watch, now, why, self._seq_of(rank, watch, seqs)
             )
+
+    def _seq_of(self, rank: int, watch: Any, seqs: dict | None) -> int:
+        """The sequence number of the call ``watch`` follows (-1: unknown), so that a later
+        call's reply from the same worker says it has ended."""
+        if seqs and rank in seqs:
+            return seqs[rank]
+        if isinstance(watch, (CallWatch, _Numbered)):
+            return watch.seq
+        call = self.driver.call_of(watch)
+        return -1 if call is None else call.seq
 
     def abandon_calls(self, calls: list[Call], why: str) -> None:
         """:meth:`abandon` for calls whose finished ranks are not known here (an
@@ -240,17 +270,21 @@ class FailureState:
                 return reason or fallback
             await asyncio.sleep(0.05)
 
-    def response_error(self, call: Call, exc: BaseException) -> BaseException:
+    async def response_error(self, call: Call, exc: BaseException) -> BaseException:
         """The error a failed direct call raises in the driver: never a bare
         ``CancelledError`` (a ``BaseException`` that ``except Exception`` misses)."""
         if isinstance(exc, Exception):
             return exc
         # The worker cancelled its handler: it is closing (retired, restarted, scaled
-        # down, or its scheduler went away) while the call ran or waited.
+        # down, or its scheduler went away) while the call ran or waited; the scheduler's
+        # word on why comes a moment later.
         slot = self.ranks.slots[call.rank]
-        reason = self.driver.lost.setdefault(
-            slot.server_id, f"the worker closed while running {call.method!r} ({type(exc).__name__})"
+        reason = await self._lost_reason(
+            slot.address,
+            slot.server_id,
+            f"the worker closed while running {call.method!r} ({type(exc).__name__})",
         )
+        reason = self.driver.lost.setdefault(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
         return self.broken or WorkerLostError(call.rank, slot.address, reason)
 

@@ -40,18 +40,29 @@ class GroupTransport:
         name: the group's name (task keys, messages).
         group_id: the group's unique id (the hosts key rank objects by it).
         owner: the client id that owns the group's ranks.
+        detached: the group outlives its driver: its non-blocking calls run even if the
+            driver exits or drops their futures first (as a detached Ray actor's tasks do).
 
     Attributes:
         ranks: the group's :class:`~daskwg.transport.driver.GroupRanks`.
         failures: its :class:`~daskwg.transport.failures.FailureState`.
     """
 
-    def __init__(self, client: Client, slots: Sequence[Any], name: str, group_id: str, owner: str):
+    def __init__(
+        self,
+        client: Client,
+        slots: Sequence[Any],
+        name: str,
+        group_id: str,
+        owner: str,
+        *,
+        detached: bool = False,
+    ):
         driver = Driver.of(client)
         self.ranks = GroupRanks(client, driver, tuple(slots), name, group_id, owner)
         self.failures = FailureState(self.ranks)
         self.direct = DirectPath(self.ranks, self.failures)
-        self.tasks = TaskPath(self.ranks)
+        self.tasks = TaskPath(self.ranks, keep_running=detached)
         self.waiter = Waiter(self.ranks, self.failures)
         driver.transports.add(self)
         driver.watch(self.ranks.slots)
@@ -59,6 +70,11 @@ class GroupTransport:
     @property
     def driver(self) -> Driver:
         return self.ranks.driver
+
+    @staticmethod
+    def driver_of(client: Client) -> Driver:
+        """The :class:`~daskwg.transport.driver.Driver` of ``client`` (what it knows of the workers)."""
+        return Driver.of(client)
 
     @property
     def broken(self) -> WorkerGroupError | None:
@@ -82,6 +98,26 @@ class GroupTransport:
 
     def is_abandoned(self, slot: Any) -> bool:
         return self.failures.is_abandoned(slot)
+
+    def busy_call(self, slot: Any) -> Any:
+        """The call ``slot``'s worker is still busy with (a broken group's straggler or an
+        abandoned call: ``.describe(now)``), or ``None``."""
+        return self.driver.busy_call(slot)
+
+    def check(self, method_name: str, ranks: list[int], limit: Any = None) -> None:
+        """Refuse at once a call that would fail, or wait without a word: a lost worker,
+        the scheduler gone, a rank stuck in a broken group's call, and, for a group's
+        ``__init__`` without a deadline (``limit`` ``None``), a call the driver abandoned.
+
+        Raises:
+            WorkerLostError, GroupBrokenError: naming the worker and the call in the way.
+        """
+        slots = [self.ranks.slots[r] for r in ranks]
+        self.failures.check_scheduler()
+        self.failures.raise_if_lost(ranks)
+        self.driver.check_not_stuck(slots, f"{self.ranks.name}.{method_name}")
+        if method_name == "__init__" and limit is None:
+            self.driver.check_not_behind_abandoned(slots, f"group {self.ranks.name!r}")
 
     async def reserve_port(self, port: int | None) -> int:
         """Reserve ``MASTER_PORT`` on rank 0's host (``port``, or a free one).
@@ -140,9 +176,7 @@ class GroupTransport:
         if check:
             # A lost worker fails at once (no connection attempt, no task that never
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
-            failures.check_scheduler()
-            failures.raise_if_lost(ranks)
-            driver.check_not_stuck(slots, f"{self.ranks.name}.{method_name}")
+            self.check(method_name, ranks, limit)
         driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
         if check and not direct:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)

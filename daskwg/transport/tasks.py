@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from distributed import Future
+from distributed import Future, fire_and_forget
 
 import _daskwg_task
 
@@ -46,10 +46,14 @@ class TaskPath:
 
     Args:
         ranks: the group's ranks.
+        keep_running: the calls run even when every future of them is released first
+            (``distributed.fire_and_forget``): a detached group's calls still run after
+            the driver that queued them exits, as a detached Ray actor's tasks do.
     """
 
-    def __init__(self, ranks: GroupRanks):
+    def __init__(self, ranks: GroupRanks, keep_running: bool = False):
         self.ranks = ranks
+        self.keep_running = keep_running
 
     def submit(
         self,
@@ -88,7 +92,9 @@ class TaskPath:
                     # The parts this call fetches rows of must outlive the call, even if the
                     # driver drops their DataProtoFuture right after this returns.
                     future.add_done_callback(functools.partial(_hold, tuple(keep)))
-                future.add_done_callback(functools.partial(self._skip_if_not_run, address, call.seq))
+                future.add_done_callback(
+                    functools.partial(self._skip_if_not_run, address, call.seq, call.worker_id)
+                )
                 driver.inflight[ranks.slots[call.rank].server_id].add(future)
                 futures.append(future)
         except BaseException:
@@ -96,6 +102,10 @@ class TaskPath:
             for call in calls[len(futures) :]:
                 client.loop.add_callback(self._send, "daskwg_skip", ranks.address(call.rank), [call.seq])
             raise
+        if self.keep_running:
+            # Else a driver that exits (its client releasing every key) would drop the calls
+            # still queued on the ranks without a word.
+            fire_and_forget(futures)
         return futures
 
     def submit_task(self, target: str, args: tuple, key: str, address: str | None) -> Future:
@@ -165,9 +175,11 @@ class TaskPath:
             infos.append(info)
         return infos
 
-    def _skip_if_not_run(self, address: str, seq: int, future: Future) -> None:
+    def _skip_if_not_run(self, address: str, seq: int, server_id: str | None, future: Future) -> None:
         status = future.status
         if status == "finished":
+            if server_id is not None:
+                self.ranks.driver.note_finished(server_id, seq)
             return
         loop = self.ranks.client.loop
         if status == "cancelled":

@@ -10,6 +10,7 @@ rank raises ``WorkerLostError`` within a poll interval and a deadline raises
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 import traceback
@@ -138,7 +139,13 @@ class Waiter:
                         exc.rank,
                         [(r, f) for r, f in zip(ranks, futures) if not f.done()],
                     )
-                raise exc
+                try:
+                    raise exc
+                finally:
+                    # No cycle exception -> traceback -> this frame -> exception: the call's
+                    # futures go as soon as the caller drops the error, not at the next
+                    # garbage collection.
+                    del exc
             if not pending:
                 try:
                     return self.ranks.client.gather(futures)
@@ -269,7 +276,12 @@ class Waiter:
             return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
         exc = future.exception()
         if isinstance(exc, WorkerGroupError):
-            return exc
+            self.ranks.driver.paused_out.pop(future.key, None)
+            # A copy: raising the object the future's state stores would hang this wait's
+            # frames (and the futures they hold) on its traceback, keeping every future
+            # of the call alive for as long as the client holds that state
+            # (dask/distributed#8790): failed calls would never let go of their keys.
+            return _copied(exc)
         tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
         return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
 
@@ -280,3 +292,11 @@ class Waiter:
         calls = [self.ranks.driver.call_of(f) for f in futures]
         method = next((c.method for c in calls if c is not None), "DataProtoFuture.get")
         return self.gather(futures, method, settings)
+
+
+def _copied(exc: BaseException) -> BaseException:
+    """``exc`` as a new object without a traceback (the same object where it cannot be copied)."""
+    try:
+        return copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception class that does not rebuild from its args
+        return exc

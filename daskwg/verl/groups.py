@@ -70,7 +70,8 @@ def create_colocated_worker_cls(class_dict: Mapping[str, ClassWithInitArgs | typ
 def create_colocated_worker_cls_fused(
     class_dict: Mapping[str, ClassWithInitArgs | type],
 ) -> RayClassWithInitArgs:
-    """verl's fused variant of :func:`create_colocated_worker_cls`; the same here."""
+    """verl's fused variant of [`create_colocated_worker_cls`][daskwg.create_colocated_worker_cls]; the
+    same here."""
     cia = create_colocated_worker_cls(class_dict)
     cia.fused_worker_used = True
     return cia
@@ -116,15 +117,17 @@ _VERL_FUTURES: dict[type, type] = {}
 
 
 class RayWorkerGroup(WorkerGroup):
-    """verl's ``RayWorkerGroup`` on the current Dask client; a :class:`daskwg.WorkerGroup`.
+    """verl's ``RayWorkerGroup`` on the current Dask client; a [`daskwg.WorkerGroup`][daskwg.WorkerGroup].
 
     Args:
-        resource_pool: the :class:`RayResourcePool` (or split) to run on; ``None`` with
-            ``worker_names``: reattach to that live group (as :meth:`from_detached`).
+        resource_pool: the [`RayResourcePool`][daskwg.verl.RayResourcePool] (or split) to run on; ``None``
+            with ``worker_names``: reattach to that live group (as
+                [`from_detached`][daskwg.verl.RayWorkerGroup.from_detached]).
         ray_cls_with_init: the class and its init arguments.
         name_prefix: prefix of the group's name ``{prefix}{Class}`` and of
             ``worker_names`` (random when ``None``, as verl); ranks see it as ``WG_PREFIX``.
-        detached: the group outlives this driver (reattach with :meth:`from_detached`).
+        detached: the group outlives this driver (reattach with
+            [`from_detached`][daskwg.verl.RayWorkerGroup.from_detached]).
         worker_names: with ``resource_pool=None``, the names of the group to reattach to.
         worker_env: extra variables for every rank; daskwg's and verl's own may not be
             set (``ValueError`` naming the key, as verl).
@@ -141,7 +144,7 @@ class RayWorkerGroup(WorkerGroup):
             live group of those names.
         TypeError: an unknown keyword argument.
         GroupBrokenError: reattaching, a worker of the group left or restarted since.
-        WorldSizeError, RankError: as :class:`daskwg.WorkerGroup`.
+        WorldSizeError, RankError: as [`daskwg.WorkerGroup`][daskwg.WorkerGroup].
     """
 
     def __init__(
@@ -210,7 +213,7 @@ class RayWorkerGroup(WorkerGroup):
     @property
     def worker_names(self) -> list[str]:
         """One name per rank, verl's ``{prefix}{Class}_{node}:{local_rank}``; pass them to
-        :meth:`from_detached` to reattach."""
+        [`from_detached`][daskwg.verl.RayWorkerGroup.from_detached] to reattach."""
         hosts: list[str] = []
         names = []
         for slot in self._slots:

@@ -46,7 +46,7 @@ class RayResourcePool:
             worker owns its GPU under dask-cuda).
         name_prefix: the pool's name (random when ``None``, as verl).
         max_colocate_count: likewise kept and not used.
-        detached: kept for :func:`merge_resource_pool`'s check.
+        detached: kept for [`merge_resource_pool`][daskwg.verl.merge_resource_pool]'s check.
         accelerator_type: likewise kept and not used.
         client: the Dask client (default: ``distributed.get_client()`` when first used).
 
@@ -112,7 +112,7 @@ class RayResourcePool:
 
     @property
     def pool(self) -> ResourcePool:
-        """The :class:`daskwg.ResourcePool` behind this one (chosen on first use)."""
+        """The [`daskwg.ResourcePool`][daskwg.ResourcePool] behind this one (chosen on first use)."""
         if self._pool is None:
             self._pool = self._choose()
         return self._pool
@@ -150,7 +150,8 @@ class RayResourcePool:
 
 
 class SubRayResourcePool(RayResourcePool):
-    """A slice of a pool's workers (verl's ``SubRayResourcePool``); from :func:`split_resource_pool`."""
+    """A slice of a pool's workers (verl's ``SubRayResourcePool``); from
+    [`split_resource_pool`][daskwg.verl.split_resource_pool]."""
 
     def __init__(
         self, pool: ResourcePool, start_bundle_index: int, parent: RayResourcePool, name_prefix: str
@@ -183,7 +184,7 @@ def split_resource_pool(
             summing to it.
 
     Returns:
-        one :class:`SubRayResourcePool` per size, in order.
+        one [`SubRayResourcePool`][daskwg.verl.SubRayResourcePool] per size, in order.
 
     Raises:
         ValueError: sizes that do not add up (verl: ``AssertionError``).
@@ -240,7 +241,7 @@ class ResourcePoolManager:
     resource_pool_dict: dict[str, RayResourcePool] = field(default_factory=dict)
 
     def create_resource_pool(self) -> None:
-        """Build one :class:`RayResourcePool` per entry of ``resource_pool_spec``."""
+        """Build one [`RayResourcePool`][daskwg.verl.RayResourcePool] per entry of ``resource_pool_spec``."""
         for name, process_on_nodes in self.resource_pool_spec.items():
             self.resource_pool_dict[name] = RayResourcePool(
                 process_on_nodes=process_on_nodes,
