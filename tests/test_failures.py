@@ -436,3 +436,37 @@ def test_calls_and_shutdown_after_the_client_closed_raise_instead_of_waiting(fre
     with pytest.raises(GroupBrokenError, match="is closed"):
         wg.echo(2)
     wg.shutdown()
+
+
+def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:g} s")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_reconnected_builds_new_groups_and_its_old_groups_raise_group_broken(client4):
+    old = WorkerGroup(client4, AddWorker, world_size=2)
+    assert old.foo(x=1, y=2) == [5, 5]
+    comm = client4.scheduler_comm
+    # As a broken link does: the scheduler drops the client (releasing its ranks), and
+    # the client reconnects under the same id.
+    comm.comm.abort()
+    _until(
+        lambda: client4.scheduler_comm not in (comm, None) and client4.status == "running", 30, "reconnected"
+    )
+    _until(
+        lambda: not any(r[0] == old.name for ranks in _hosted_groups(client4).values() for r in ranks),
+        30,
+        "the old group's ranks released",
+    )
+    with pytest.raises(GroupBrokenError, match="re-established"):
+        old.foo(x=1, y=2)
+    with WorkerGroup(client4, AddWorker, world_size=2) as new:
+        assert new.foo(x=1, y=2) == [5, 5]
+        # The task path too: both number their calls in the new session.
+        out = new.add_rank_async(DataProto.from_dict({"a": torch.zeros(4)})).get()
+        assert out.batch["a"].tolist() == [0, 0, 1, 1]
+    old.shutdown()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GroupBrokenError
+from ..wire import of_client
 
 __all__ = ["Sequencer"]
 
@@ -54,7 +55,10 @@ class Sequencer:
         with self._lock:
             if session in self._released:
                 result.set_exception(
-                    GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
+                    GroupBrokenError(
+                        f"driver session {session} was released on this worker (the scheduler dropped its "
+                        "client, and with it the client's ranks): build the group again"
+                    )
                 )
                 return result
             state = self._sessions.setdefault(session, _Session(session))
@@ -77,12 +81,16 @@ class Sequencer:
                 state.skipped.add(seq)
                 self._release(state)
 
-    def forget(self, session: str) -> None:
-        """Drop a driver that left; its calls from now on are refused, not queued
-        (its sequence numbers would count from a state that is gone)."""
+    def forget(self, client: str) -> None:
+        """Drop the sessions of a driver's client that left (:func:`daskwg.wire.session_id`);
+        their calls from now on are refused, not queued (their sequence numbers would count
+        from a state that is gone). A session of that client not seen yet (the client
+        reconnected and numbers afresh) is a new one."""
         with self._lock:
-            self._sessions.pop(session, None)
-            self._released.add(session)
+            for session in [s for s in self._sessions if of_client(s, client)]:
+                self._released.add(session)
+                del self._sessions[session]
+            self._released.add(client)
 
     def _release(self, state: _Session) -> None:
         while True:
