@@ -470,3 +470,23 @@ def test_a_client_that_reconnected_builds_new_groups_and_its_old_groups_raise_gr
         out = new.add_rank_async(DataProto.from_dict({"a": torch.zeros(4)})).get()
         assert out.batch["a"].tolist() == [0, 0, 1, 1]
     old.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_whose_event_loop_is_blocked_past_the_heartbeat_timeout_is_not_taken_as_lost(client4):
+    # Its host's kernel still acknowledges the heartbeat's keepalive probes: busy, not cut off.
+    with dask_config({"daskwg.heartbeat-timeout": 1, "daskwg.heartbeat-interval": 1}):
+        wg = WorkerGroup(client4, AddWorker, world_size=1)
+    assert wg.foo(x=1, y=2) == [5]
+    # client.run calls a plain function on the worker's event loop, which it blocks.
+    blocker = threading.Thread(
+        target=client4.run, args=(time.sleep, 5.0), kwargs={"workers": wg.workers}, daemon=True
+    )
+    blocker.start()
+    time.sleep(1.0)
+    assert wg.foo(x=2, y=2) == [6]  # answered once the loop is free again
+    blocker.join(30)
+    time.sleep(2.0)
+    assert not wg.is_broken
+    assert wg.foo(x=3, y=2) == [7]
+    wg.shutdown()

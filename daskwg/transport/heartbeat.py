@@ -155,6 +155,8 @@ class Heartbeats:
         finally:
             with self._lock:
                 self._beating.discard(server_id)
+                if not self._users.get(server_id):
+                    self._users.pop(server_id, None)
             if reader is not None and not reader.done():
                 reader.add_done_callback(_consume)
             if comm is not None:
@@ -184,6 +186,7 @@ class Heartbeats:
             return
         try:
             if answered != server_id:
+                comm.abort()  # a new process there: the old one's mark stays
                 return
             by_session: dict[str, list[int]] = defaultdict(list)
             for session, seq in driver.given_up.get(server_id, ()):
