@@ -45,6 +45,10 @@ class Settings:
         skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
         check_process_group: groups built now refuse a rank whose process holds another
             group's default process group.
+        heartbeat_interval: seconds between the keepalive probes of the driver's
+            connection to each worker of its groups (groups built now).
+        heartbeat_timeout: seconds without an answer to them before the worker is taken
+            as lost (groups built now).
     """
 
     poll_interval: float
@@ -58,6 +62,8 @@ class Settings:
     scatter_above: int
     skip_signal_handlers: bool
     check_process_group: bool
+    heartbeat_interval: float
+    heartbeat_timeout: float
 
     @classmethod
     def current(cls) -> Settings:
@@ -78,4 +84,6 @@ class Settings:
             scatter_above=int(config["scatter-above"]),
             skip_signal_handlers=bool(config["skip-signal-handlers"]),
             check_process_group=bool(config["check-process-group"]),
+            heartbeat_interval=float(config["heartbeat-interval"]),
+            heartbeat_timeout=float(config["heartbeat-timeout"]),
         )

@@ -105,7 +105,8 @@ def materialize(
 
 
 def _default_gather(futures: list) -> list:
-    return futures[0].client.gather(list(futures))
+    # direct: from the workers holding the parts, never forwarded by the scheduler.
+    return futures[0].client.gather(list(futures), direct=True)
 
 
 def _as_key_list(keys: Any, name: str) -> list[str] | None:

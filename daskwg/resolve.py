@@ -131,7 +131,8 @@ def _gather_plain(futures: list[Future]) -> list:
                 raise _plain_timeout(futures, limit.seconds) from None
             if any(f.status == "error" for f in done):
                 break
-        return client.gather(futures)
+        # direct: from the workers holding the values, never forwarded by the scheduler.
+        return client.gather(futures, direct=True)
     except CancelledError as exc:  # Dask's FutureCancelledError and FuturesCancelledError
         raise WorkerGroupError(
             f"a future daskwg.get waited for was cancelled ({type(exc).__name__}: {exc}); its result "

@@ -28,6 +28,8 @@ __all__ = [
     "PartInfo",
     "task_key",
     "status_record",
+    "session_id",
+    "of_client",
 ]
 
 #: The version of what crosses between the driver and the workers (the records and names
@@ -86,8 +88,9 @@ class Call:
     """One call into one rank, as the driver sends it.
 
     Attributes:
-        session: id of the issuing driver (its Dask client id); sequence numbers count
-            per session and worker.
+        session: id of the issuing driver's session (:func:`session_id`: its Dask client
+            id, with a suffix after each reconnection); sequence numbers count per session
+            and worker.
         seq: this call's position in the session's order on this worker.
         group_id: unique id of the group.
         group_name: readable group name (for messages).
@@ -153,6 +156,19 @@ class PartInfo:
     rows: int
     meta_info: dict | None
     dataproto_class: str | None = None
+
+
+def session_id(client_id: str, epoch: int) -> str:
+    """The session of a driver's client ``client_id`` after ``epoch`` reconnections: the
+    client id itself at first, ``"<client id>#<epoch>"`` after. A reconnected client keeps
+    its id, but the workers released its ranks and forgot its order when the scheduler
+    dropped it: its later calls number afresh in a session the workers have not seen."""
+    return client_id if epoch == 0 else f"{client_id}#{epoch}"
+
+
+def of_client(session: str, client_id: str) -> bool:
+    """Whether ``session`` is one of client ``client_id``'s (:func:`session_id`)."""
+    return session == client_id or session.startswith(client_id + "#")
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

@@ -473,3 +473,57 @@ def test_calls_and_shutdown_after_the_client_closed_raise_instead_of_waiting(fre
     with pytest.raises(GroupBrokenError, match="is closed"):
         wg.echo(2)
     wg.shutdown()
+
+
+def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:g} s")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_reconnected_builds_new_groups_and_its_old_groups_raise_group_broken(client4):
+    old = WorkerGroup(client4, AddWorker, world_size=2)
+    assert old.foo(x=1, y=2) == [5, 5]
+    comm = client4.scheduler_comm
+    # As a broken link does: the scheduler drops the client (releasing its ranks), and
+    # the client reconnects under the same id.
+    comm.comm.abort()
+    _until(
+        lambda: client4.scheduler_comm not in (comm, None) and client4.status == "running", 30, "reconnected"
+    )
+    _until(
+        lambda: not any(r[0] == old.name for ranks in _hosted_groups(client4).values() for r in ranks),
+        30,
+        "the old group's ranks released",
+    )
+    with pytest.raises(GroupBrokenError, match="re-established"):
+        old.foo(x=1, y=2)
+    with WorkerGroup(client4, AddWorker, world_size=2) as new:
+        assert new.foo(x=1, y=2) == [5, 5]
+        # The task path too: both number their calls in the new session.
+        out = new.add_rank_async(DataProto.from_dict({"a": torch.zeros(4)})).get()
+        assert out.batch["a"].tolist() == [0, 0, 1, 1]
+    old.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_whose_event_loop_is_blocked_past_the_heartbeat_timeout_is_not_taken_as_lost(client4):
+    # Its host's kernel still acknowledges the heartbeat's keepalive probes: busy, not cut off.
+    with dask_config({"daskwg.heartbeat-timeout": 1, "daskwg.heartbeat-interval": 1}):
+        wg = WorkerGroup(client4, AddWorker, world_size=1)
+    assert wg.foo(x=1, y=2) == [5]
+    # client.run calls a plain function on the worker's event loop, which it blocks.
+    blocker = threading.Thread(
+        target=client4.run, args=(time.sleep, 5.0), kwargs={"workers": wg.workers}, daemon=True
+    )
+    blocker.start()
+    time.sleep(1.0)
+    assert wg.foo(x=2, y=2) == [6]  # answered once the loop is free again
+    blocker.join(30)
+    time.sleep(2.0)
+    assert not wg.is_broken
+    assert wg.foo(x=3, y=2) == [7]
+    wg.shutdown()

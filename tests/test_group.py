@@ -97,6 +97,18 @@ def test_worker_env_reaches_every_rank(client4):
         assert [e["EXTRA"] for e in wg.environment()] == ["yes", "yes"]
 
 
+def test_gloo_and_nccl_sockets_use_the_interface_of_the_workers_dask_address(group):
+    # The workers listen on 127.0.0.1, which the loopback interface holds.
+    envs = group.environment()
+    assert [(e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"]) for e in envs] == [("lo", "lo")] * 4
+
+
+def test_worker_env_chooses_the_socket_interface_over_daskwg(client4):
+    with WorkerGroup(client4, AddWorker, world_size=2, worker_env={"GLOO_SOCKET_IFNAME": "eth7"}) as wg:
+        envs = wg.environment()
+    assert [(e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"]) for e in envs] == [("eth7", "lo")] * 2
+
+
 def test_worker_env_may_not_override_rank_variables(client4):
     with pytest.raises(ValueError, match="WORLD_SIZE"):
         WorkerGroup(client4, AddWorker, world_size=4, worker_env={"WORLD_SIZE": "9"})

@@ -45,6 +45,7 @@ class AddWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def environment(self) -> dict:
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
+        keys += ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
         return {k: os.environ.get(k) for k in keys}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)

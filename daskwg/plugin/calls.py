@@ -15,7 +15,7 @@ from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import Call
+from ..wire import Call, of_client
 
 __all__ = ["CallTable", "QueuedCall", "RunningCall"]
 
@@ -83,10 +83,10 @@ class CallTable:
         with self._lock:
             return list(self._queued.values())
 
-    def forget_session(self, session: str) -> None:
-        """Drop the queued calls of a driver that left."""
+    def forget_session(self, client: str) -> None:
+        """Drop the queued calls of a driver's client that left (all its sessions)."""
         with self._lock:
-            for key in [k for k, q in self._queued.items() if q.call.session == session]:
+            for key in [k for k, q in self._queued.items() if of_client(q.call.session, client)]:
                 del self._queued[key]
 
     def unfinished(self, session: str, seq: int) -> tuple[Call, ConcurrentFuture] | None:

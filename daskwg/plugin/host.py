@@ -30,6 +30,7 @@ import gc
 import importlib.metadata
 import logging
 import multiprocessing
+import os
 import socket
 import sys
 import threading
@@ -52,6 +53,7 @@ from ..wire import PLUGIN_NAME, WIRE_FORMAT, Call, status_record
 from . import rows
 from .calls import CallTable
 from .exceptions import picklable, rank_error, with_message
+from .interfaces import socket_ifname_env
 from .process_group import ProcessGroups
 from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot, strip_padding
 from .rank_loop import install_signal_shim, rank_thread, task_stack
@@ -85,6 +87,8 @@ class HostPlugin(WorkerPlugin):
         self._sequencer = Sequencer(self._executor)
         self._process_groups = ProcessGroups(self.address, self._is_hosted)
         self._env = ProcessEnv()
+        # Under every rank's own variables: worker_env and the process's environment win.
+        self._socket_env = socket_ifname_env(get_address_host(self.address), os.environ)
         _allow_child_processes()
         self._reserved_ports: set[int] = set()
         # What the host thread is doing, for daskwg_status (the driver's wg.status(),
@@ -379,7 +383,7 @@ class HostPlugin(WorkerPlugin):
             if key in self._hosted:
                 raise GroupBrokenError(f"rank {call.rank} of group {call.group_name!r} already exists here")
         _check_wire(payload, call)
-        env = dict(payload["env"])
+        env = {**self._socket_env, **payload["env"]}
         skip_signals = bool(payload.get("skip_signal_handlers", False))
         check_pg = bool(payload.get("check_process_group", True))
         self._process_groups.check(call, payload["world_size"], check_pg)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GroupBrokenError
+from ..wire import of_client
 
 __all__ = ["Sequencer"]
 
@@ -57,7 +58,10 @@ class Sequencer:
         with self._lock:
             if session in self._released and not outlives:
                 result.set_exception(
-                    GroupBrokenError(f"driver {session} disconnected and its ranks were released; reconnect")
+                    GroupBrokenError(
+                        f"driver session {session} was released on this worker (the scheduler dropped its "
+                        "client, and with it the client's ranks): build the group again"
+                    )
                 )
                 return result
             state = self._sessions.setdefault(session, _Session(session))
@@ -80,11 +84,15 @@ class Sequencer:
                 state.skipped.add(seq)
                 self._release(state)
 
-    def forget(self, session: str) -> None:
-        """A driver left: its calls from now on are refused, except those that outlive it
-        (see :meth:`submit`), which keep their order: its numbers still count on."""
+    def forget(self, client: str) -> None:
+        """A driver's client left: calls of its sessions (:func:`daskwg.wire.session_id`)
+        from now on are refused, not queued, except those that outlive it (see
+        :meth:`submit`), which keep their order: their numbers still count on. A session
+        of that client not seen yet (the client reconnected and numbers afresh) is a new one."""
         with self._lock:
-            self._released.add(session)
+            for session in [s for s in self._sessions if of_client(s, client)]:
+                self._released.add(session)
+            self._released.add(client)
 
     def _release(self, state: _Session) -> None:
         while True:

@@ -51,6 +51,7 @@ class DirectPath:
         private: bool,
         limit: Limit | None = None,
         status_timeout: float = 2.0,
+        poll: float = 0.2,
     ) -> list:
         """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
 
@@ -64,6 +65,8 @@ class DirectPath:
             private: ``pool`` belongs to a loop that runs only while its thread is in a call.
             limit: the call's deadline.
             status_timeout: seconds a worker gets to answer the deadline report's status request.
+            poll: seconds between checks for a rank's worker taken as lost meanwhile
+                (``daskwg.poll-interval``).
         Returns:
             the per-rank results, in the order of ``calls``.
         Raises:
@@ -73,13 +76,18 @@ class DirectPath:
         """
         t0 = time.monotonic()
         tasks = [asyncio.ensure_future(self._one(pool, c, p)) for c, p in zip(calls, payloads)]
-        await asyncio.wait(
-            tasks,
-            timeout=None if limit is None else max(limit.remaining(), 0.0),
-            return_when=asyncio.FIRST_EXCEPTION,
-        )
+        lost = await self._wait(calls, tasks, limit, poll)
+        for i in lost:
+            # Its answer, if any, would come only after the partition: the call is given
+            # up, and its place skipped should the worker come back (Driver.revoke).
+            tasks[i].cancel()
+            self.ranks.driver.give_up(
+                self.ranks.slots[calls[i].rank].server_id, calls[i].session, calls[i].seq
+            )
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-        pending_calls = [(c, t) for c, t in zip(calls, tasks) if not t.done()]
+        pending_calls = [
+            (c, t) for i, (c, t) in enumerate(zip(calls, tasks)) if not t.done() and i not in lost
+        ]
         for _, t in pending_calls:
             # They finish whenever the loop runs again; their error handling must still
             # run (e.g. giving up an undelivered call's place).
@@ -87,7 +95,12 @@ class DirectPath:
         # A private loop only runs while its thread is in a call, so its tasks cannot
         # tell when these ranks finish: ask their workers instead.
         pending = [
-            (c.rank, CallWatch(self.ranks.driver, self.ranks.address(c.rank), c.seq) if private else t)
+            (
+                c.rank,
+                CallWatch(self.ranks.driver, self.ranks.address(c.rank), c.seq, session=c.session)
+                if private
+                else t,
+            )
             for c, t in pending_calls
         ]
         seqs = {c.rank: c.seq for c, _ in pending_calls}
@@ -98,6 +111,10 @@ class DirectPath:
             elif pending and isinstance(exc, WorkerLostError):
                 self.failures.mark_stuck(calls[0].method, pending, seqs)
             raise exc
+        if lost:
+            if pending:
+                self.failures.mark_stuck(calls[0].method, pending)
+            raise self.failures.lost(calls[lost[0]].rank)
         if pending:
             self.failures.abandon(calls[0].method, pending, "deadline", seqs)
             done = {c.rank for c, t in zip(calls, tasks) if t.done()}
@@ -105,6 +122,22 @@ class DirectPath:
                 self.ranks, pool, calls, done, limit, time.monotonic() - t0, status_timeout
             )
         return [t.result() for t in tasks]
+
+    async def _wait(self, calls: list[Call], tasks: list, limit: Limit | None, poll: float) -> list[int]:
+        """Wait until every task is done, one failed or ``limit`` passed; or until the
+        worker of a pending call is taken as lost (its heartbeat, the scheduler), whose
+        indices it returns: a partitioned worker's call would otherwise wait for the TCP
+        timeout."""
+        while True:
+            timeout = poll if limit is None else min(poll, max(limit.remaining(), 0.0))
+            done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if not pending or any(not t.cancelled() and t.exception() is not None for t in done):
+                return []
+            lost = [
+                i for i, (c, t) in enumerate(zip(calls, tasks)) if not t.done() and self.ranks.is_lost(c.rank)
+            ]
+            if lost or (limit is not None and limit.remaining() <= 0):
+                return lost
 
     async def _one(self, pool: Any, call: Call, payload: serialization.Packed) -> Any:
         address = self.ranks.address(call.rank)

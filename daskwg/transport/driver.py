@@ -25,7 +25,7 @@ from distributed import Client, Future
 
 from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
-from ..wire import Call
+from ..wire import Call, session_id
 from . import losses
 from .channel import Channel
 
@@ -144,7 +144,11 @@ class Driver:
 
     def __init__(self, client: Client):
         self.client = client
+        #: the session this driver's calls carry (:func:`daskwg.wire.session_id`); a new one
+        #: after each reconnection of the client (:meth:`check_reconnected`).
         self.session = client.id
+        self.epoch = 0
+        self._scheduler_comm = client.scheduler_comm
         self.lock = threading.Lock()
         # Sequence numbers, lost marks and busy ranks are keyed by the worker process's
         # id (``WorkerSlot.server_id``), not its address: a Nanny restarts a worker under
@@ -158,6 +162,13 @@ class Driver:
         #: server id -> when that worker process started (``WorkerSlot.started``)
         self.started: dict[str, float] = {}
         self.lost: dict[str, str] = {}
+        #: server id -> the reason in ``lost`` of a worker lost only by this driver's own
+        #: reckoning (its heartbeat found it unreachable): the process may still be there,
+        #: and a new group re-checks (:meth:`is_suspect`).
+        self.suspects: dict[str, str] = {}
+        #: server id -> ``(session, seq)`` of the calls given up on when it was taken as lost
+        #: (they may never have arrived: their places are skipped if it comes back).
+        self.given_up: dict[str, list[tuple[str, int]]] = defaultdict(list)
         self.paused: dict[str, float] = {}
         #: server id -> the call its rank is stuck in (a broken group's straggler).
         self.stuck: dict[str, StuckCall] = {}
@@ -212,12 +223,86 @@ class Driver:
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
         """The next sequence number of this driver on each of these worker processes
         (one lock, so calls from several threads keep one relative order everywhere)."""
+        return self.numbered(server_ids)[1]
+
+    def numbered(self, server_ids: Sequence[str]) -> tuple[str, list[int]]:
+        """:meth:`take_seqs`, with the session they count in (taken together, so a
+        reconnection in another thread cannot come between)."""
         with self.lock:
             seqs = []
             for sid in server_ids:
                 seqs.append(self.next_seq[sid])
                 self.next_seq[sid] += 1
-            return seqs
+            return self.session, seqs
+
+    def check_reconnected(self) -> None:
+        """Begin a new session if the client reconnected to the scheduler since this
+        driver last looked (same client id, a new connection).
+
+        The scheduler dropped the client with its old connection, so it released the
+        client's ranks (not those of detached groups) and the workers forgot its order:
+        groups built before are broken (``GroupBrokenError``), and later calls number
+        afresh in a new session (:func:`daskwg.wire.session_id`).
+        """
+        comm = self.client.scheduler_comm
+        if comm is self._scheduler_comm or comm is None or self.client.status != "running":
+            return
+        with self.lock:
+            if comm is self._scheduler_comm:
+                return
+            self._scheduler_comm = comm
+            self.epoch += 1
+            self.session = session_id(self.client.id, self.epoch)
+            self.next_seq = defaultdict(int)
+            self.finished.clear()  # numbers of the old session
+            transports = list(self.transports)
+        logger.info("client %s reconnected to the scheduler: new session %s", self.client.id, self.session)
+        # The scheduler forgot the old connection's topic subscriptions.
+        self.watched.clear()
+        self.memory_events = False
+        for transport in transports:
+            transport.reconnected()
+
+    def unreachable(self, address: str, server_id: str, reason: str) -> None:
+        """The heartbeat found the worker process ``server_id`` at ``address`` unreachable:
+        lost to this driver's groups on it, as a removed worker is, until a new group
+        finds it answering again (:meth:`revoke`). Runs on the client's event loop."""
+        if server_id in self.lost:
+            return
+        self.lost[server_id] = reason
+        self.suspects[server_id] = reason
+        orphans = [f for f in self.inflight.pop(server_id, ()) if not f.done()]
+        for future in orphans:
+            entry = self.calls.get(future)
+            if entry is not None:
+                self.given_up[server_id].append((entry.call.session, entry.call.seq))
+        if orphans:
+            asyncio.ensure_future(
+                self.client._cancel(
+                    orphans,
+                    reason="worker-lost",
+                    msg=f"WorkerLostError: the worker {address} was lost ({reason})",
+                )
+            )
+        for transport in list(self.transports):
+            transport.worker_lost(address, reason)
+
+    def is_suspect(self, server_id: str) -> bool:
+        """Whether ``server_id`` is lost only because the heartbeat found it unreachable
+        (the scheduler has not removed it since: that replaces the reason)."""
+        reason = self.suspects.get(server_id)
+        return reason is not None and self.lost.get(server_id) == reason
+
+    def give_up(self, server_id: str, session: str, seq: int) -> None:
+        """Record that the driver gave up on call ``seq`` to a worker it took as lost."""
+        self.given_up[server_id].append((session, seq))
+
+    def revoke(self, server_id: str) -> None:
+        """Clear the lost mark :meth:`unreachable` set: the same process answers again.
+        Groups already broken by it stay broken."""
+        self.suspects.pop(server_id, None)
+        self.lost.pop(server_id, None)
+        self.given_up.pop(server_id, None)
 
     def call_of(self, future: Any) -> Call | None:
         """The :class:`~daskwg.wire.Call` a task-path future of this driver stands for, else ``None``."""

@@ -50,18 +50,20 @@ class CallWatch:
     """Tells when one call on one worker has finished, by polling the worker's
     ``daskwg_progress`` from the client's event loop. ``done()`` like a future."""
 
-    def __init__(self, driver: Driver, address: str, seq: int, interval: float = 0.1):
+    def __init__(
+        self, driver: Driver, address: str, seq: int, interval: float = 0.1, session: str | None = None
+    ):
         self.seq = seq
         self._event = threading.Event()
-        driver.client.loop.add_callback(self._poll, driver, address, seq, interval)
+        driver.client.loop.add_callback(self._poll, driver, address, seq, interval, session or driver.session)
 
     def done(self) -> bool:
         """Whether the call has ended (or its worker is gone)."""
         return self._event.is_set()
 
-    async def _poll(self, driver: Driver, address: str, seq: int, interval: float) -> None:
+    async def _poll(self, driver: Driver, address: str, seq: int, interval: float, session: str) -> None:
         try:
-            while await driver.client.rpc(address).daskwg_progress(session=driver.session) < seq:
+            while await driver.client.rpc(address).daskwg_progress(session=session) < seq:
                 await asyncio.sleep(interval)
                 interval = min(interval * 1.5, 1.0)  # a stuck collective may take minutes
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
@@ -123,8 +125,9 @@ class FailureState:
         After a rank raised, the other ranks of that call get a grace period
         (``daskwg.rank-failure-grace`` seconds) to finish; ranks still running after
         it are stuck (typically in a collective waiting for the failed rank), so the
-        group is broken.
+        group is broken. So is a group whose client reconnected to the scheduler since.
         """
+        self.driver.check_reconnected()
         if self.broken is None and self.ranks.client.status == "connecting":
             try:
                 self.check_scheduler()
@@ -191,7 +194,10 @@ class FailureState:
         try:
             self.abandon(
                 calls[0].method,
-                [(c.rank, CallWatch(self.driver, self.ranks.address(c.rank), c.seq)) for c in calls],
+                [
+                    (c.rank, CallWatch(self.driver, self.ranks.address(c.rank), c.seq, session=c.session))
+                    for c in calls
+                ],
                 why,
             )
         except Exception:  # noqa: BLE001 - the interrupt itself must surface
@@ -228,6 +234,16 @@ class FailureState:
             "gone: reconnect and build a new group"
         )
         raise self.broken
+
+    def reconnected(self) -> None:
+        """The client reconnected to the scheduler (:meth:`Driver.check_reconnected`): the
+        group's ranks were released with the old connection."""
+        if self.broken is None:
+            self.broken = GroupBrokenError(
+                f"group {self.ranks.name!r} is broken: its client's connection to the scheduler dropped and was "
+                "re-established, and the scheduler released the client's ranks when it dropped it (a detached "
+                "group's ranks stay: attach to it again by name); build the group again"
+            )
 
     def worker_lost(self, address: str, reason: str) -> None:
         """The scheduler (or a dropped connection) says the worker at ``address`` is gone."""

@@ -23,6 +23,7 @@ from ..wire import Call
 from .direct import DirectPath
 from .driver import Driver, GroupRanks
 from .failures import FailureState
+from .heartbeat import Heartbeats
 from .tasks import TaskPath, extract_lazies
 from .waiting import Waiter
 
@@ -59,11 +60,16 @@ class GroupTransport:
         detached: bool = False,
     ):
         driver = Driver.of(client)
+        driver.check_reconnected()  # before this group joins the ones a reconnection breaks
         self.ranks = GroupRanks(client, driver, tuple(slots), name, group_id, owner)
         self.failures = FailureState(self.ranks)
         self.direct = DirectPath(self.ranks, self.failures)
         self.tasks = TaskPath(self.ranks, keep_running=detached)
         self.waiter = Waiter(self.ranks, self.failures)
+        settings = Settings.current()
+        Heartbeats.of(driver).follow(
+            self, self.ranks.slots, settings.heartbeat_interval, settings.heartbeat_timeout
+        )
         driver.transports.add(self)
         driver.watch(self.ranks.slots)
 
@@ -84,6 +90,11 @@ class GroupTransport:
     def close(self) -> None:
         """Stop following the workers' events for this group."""
         self.driver.transports.discard(self)
+        Heartbeats.of(self.driver).unfollow(self)
+
+    def reconnected(self) -> None:
+        """The client reconnected to the scheduler: this group's ranks were released."""
+        self.failures.reconnected()
 
     def worker_lost(self, address: str, reason: str) -> None:
         """The driver learnt that the worker at ``address`` is gone."""
@@ -162,6 +173,7 @@ class GroupTransport:
             CallTimeoutError: a blocking call passed its deadline.
         """
         settings = Settings.current()
+        self.driver.check_reconnected()
         lazies: list[list] = [[] for _ in ranks]
         keep: list = []
         if not raw_payload:
@@ -180,10 +192,10 @@ class GroupTransport:
         driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
         if check and not direct:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
-        seqs = driver.take_seqs([s.server_id for s in slots])
+        session, seqs = driver.numbered([s.server_id for s in slots])
         calls = [
             Call(
-                session=driver.session,
+                session=session,
                 seq=seq,
                 group_id=self.ranks.group_id,
                 group_name=self.ranks.name,
@@ -209,9 +221,19 @@ class GroupTransport:
                         False,
                         limit,
                         settings.status_timeout,
+                        settings.poll_interval,
                     )
                 return channel.run(
-                    self.direct.send(channel.pool, calls, packed, grace, True, limit, settings.status_timeout)
+                    self.direct.send(
+                        channel.pool,
+                        calls,
+                        packed,
+                        grace,
+                        True,
+                        limit,
+                        settings.status_timeout,
+                        settings.poll_interval,
+                    )
                 )
             except (KeyboardInterrupt, asyncio.CancelledError):
                 failures.abandon_calls(calls, "interrupted")
@@ -275,10 +297,10 @@ class GroupTransport:
         alive = [r for r in range(len(ranks.slots)) if not ranks.is_lost(r)]
         if not alive:
             return
-        seqs = driver.take_seqs([ranks.slots[r].server_id for r in alive])
+        session, seqs = driver.numbered([ranks.slots[r].server_id for r in alive])
         calls = [
             Call(
-                driver.session,
+                session,
                 seq,
                 ranks.group_id,
                 ranks.name,

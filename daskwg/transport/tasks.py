@@ -93,14 +93,16 @@ class TaskPath:
                     # driver drops their DataProtoFuture right after this returns.
                     future.add_done_callback(functools.partial(_hold, tuple(keep)))
                 future.add_done_callback(
-                    functools.partial(self._skip_if_not_run, address, call.seq, call.worker_id)
+                    functools.partial(self._skip_if_not_run, address, call.session, call.seq, call.worker_id)
                 )
                 driver.inflight[ranks.slots[call.rank].server_id].add(future)
                 futures.append(future)
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.
             for call in calls[len(futures) :]:
-                client.loop.add_callback(self._send, "daskwg_skip", ranks.address(call.rank), [call.seq])
+                client.loop.add_callback(
+                    self._send, "daskwg_skip", ranks.address(call.rank), call.session, [call.seq]
+                )
             raise
         if self.keep_running:
             # Else a driver that exits (its client releasing every key) would drop the calls
@@ -175,7 +177,9 @@ class TaskPath:
             infos.append(info)
         return infos
 
-    def _skip_if_not_run(self, address: str, seq: int, server_id: str | None, future: Future) -> None:
+    def _skip_if_not_run(
+        self, address: str, session: str, seq: int, server_id: str | None, future: Future
+    ) -> None:
         status = future.status
         if status == "finished":
             if server_id is not None:
@@ -185,18 +189,16 @@ class TaskPath:
         if status == "cancelled":
             # Future.cancel() / client.cancel(): Dask lets go of the task but cannot stop
             # the rank; tell the worker (a queued call is skipped, an async one interrupted).
-            loop.add_callback(self._send, "daskwg_cancel", address, [seq])
+            loop.add_callback(self._send, "daskwg_cancel", address, session, [seq])
             return
         # Also after a RankError: it may be the error of a call this one depended on (a
         # DataProtoFuture's producer), in which case this call never reached its rank.
         # Skipping a call that ran is a no-op on the worker.
-        loop.add_callback(self._send, "daskwg_skip", address, [seq])
+        loop.add_callback(self._send, "daskwg_skip", address, session, [seq])
 
-    async def _send(self, handler: str, address: str, seqs: list[int]) -> None:
+    async def _send(self, handler: str, address: str, session: str, seqs: list[int]) -> None:
         try:
-            await getattr(self.ranks.client.rpc(address), handler)(
-                session=self.ranks.driver.session, seqs=seqs
-            )
+            await getattr(self.ranks.client.rpc(address), handler)(session=session, seqs=seqs)
         except Exception:  # noqa: BLE001 - the worker may be gone; nothing runs or waits there then
             pass
 

@@ -148,7 +148,9 @@ class Waiter:
                     del exc
             if not pending:
                 try:
-                    return self.ranks.client.gather(futures)
+                    # Straight from the workers holding the results: Dask's default has the
+                    # scheduler fetch and forward them, a batch crossing its link twice.
+                    return self.ranks.client.gather(futures, direct=True)
                 except TRANSFER_ERRORS as exc:
                     raise transfer_error(-1, "?", method_name, exc) from None
             running = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
