@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from distributed import wait
 from tensordict import TensorDictBase
 
 from . import foreign
@@ -121,7 +122,13 @@ def materialize(
 
 
 def _default_gather(futures: list) -> list:
-    return futures[0].client.gather(list(futures))
+    # Dask's wait first: a non-blocking call's result is finished for Dask once the
+    # scheduler knows where it is, which client.gather needs.
+    futures = list(futures)
+    client = futures[0].client
+    with client.as_current():
+        wait(futures)
+    return client.gather(futures)
 
 
 def _as_key_list(keys: Any, name: str) -> list[str] | None:

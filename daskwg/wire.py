@@ -9,7 +9,7 @@ scheduler unpickles every task it is given and must not need torch or daskwg for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -22,9 +22,11 @@ __all__ = [
     "SCATTERED",
     "ROWS",
     "PARTS",
+    "VALUE",
     "Call",
     "LazyArg",
     "PartInfo",
+    "ResultRef",
     "task_key",
     "status_record",
 ]
@@ -41,7 +43,11 @@ RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 #: ``MASTER_PORT``; ``daskwg_release`` destroys a departed driver's ranks;
 #: ``daskwg_memory`` the worker's memory figures; ``daskwg_progress`` the last finished
 #: call of a driver; ``daskwg_status`` the status records; ``daskwg_metrics`` the call
-#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part.
+#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part; ``daskwg_fetch``
+#: a stored result (waiting for it); ``daskwg_part_info`` a stored part's :class:`PartInfo`;
+#: ``daskwg_free`` drops stored results the driver let go of; ``daskwg_relay`` streams a
+#: stored or relayed result to the next consumer of a broadcast; ``daskwg_stream`` opens a
+#: driver's call stream (non-blocking calls and their replies on one comm).
 HANDLERS = (
     "daskwg_call",
     "daskwg_skip",
@@ -53,6 +59,11 @@ HANDLERS = (
     "daskwg_status",
     "daskwg_metrics",
     "daskwg_rows",
+    "daskwg_fetch",
+    "daskwg_part_info",
+    "daskwg_free",
+    "daskwg_relay",
+    "daskwg_stream",
 )
 
 #: ``"module:function"`` the task of a task-path call runs on the worker (``_daskwg_task.run``
@@ -69,9 +80,12 @@ SCATTERED = "scattered"
 
 #: :class:`LazyArg` kinds: ``ROWS``, the rank fetches its rows of the parts itself (``spec``
 #: is the future's plan, the resolved values are the parts' :class:`PartInfo`); ``PARTS``,
-#: Dask resolved the parts themselves (``spec(values)`` builds the argument).
+#: the parts themselves (``spec(values)`` builds the argument); ``VALUE``, a plain future's
+#: value is the argument (``spec`` unused). Each resolved value is either what Dask resolved
+#: on the worker (the task path) or a :class:`ResultRef` the rank resolves itself.
 ROWS = "rows"
 PARTS = "parts"
+VALUE = "value"
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,17 @@ class Call:
 
     def to_wire(self) -> tuple:
         """The fields as a plain tuple (what messages and tasks carry); ``Call(*t)`` rebuilds it."""
-        return astuple(self)
+        # Not dataclasses.astuple: it deep-copies every field, on every call of every rank.
+        return (
+            self.session,
+            self.seq,
+            self.group_id,
+            self.group_name,
+            self.rank,
+            self.method,
+            self.owner,
+            self.worker_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,35 @@ class PartInfo:
     rows: int
     meta_info: dict | None
     dataproto_class: str | None = None
+
+
+@dataclass(frozen=True)
+class ResultRef:
+    """A result of a non-blocking call, stored on its rank's worker under a key the driver
+    owns: what a consuming rank (or the driver) needs to fetch it there, worker to worker.
+
+    Attributes:
+        key: the result's key (a Dask key the scheduler learns once the result exists).
+        address: the worker holding it (the producing rank's).
+        session: the producing call's driver session, with ``seq`` its place in that
+            worker's order: a fetch that arrives before the call tells "not yet" from "gone".
+        seq: see ``session``.
+        rank: the producing rank.
+        source: the producing call, e.g. ``"gen.generate (rank 0)"``: blamed if building fails.
+        via: fetch it from this worker instead (the previous consumer of a relayed broadcast),
+            falling back to ``address`` if that fails; ``None``: from ``address``.
+        relays: how many consumers fetch it from this consumer's worker next (a relay chain:
+            0 or 1); the rank uses its copy in place once they have it.
+    """
+
+    key: str
+    address: str
+    session: str
+    seq: int
+    rank: int = -1
+    source: str = ""
+    via: str | None = None
+    relays: int = 0
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

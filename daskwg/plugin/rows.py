@@ -26,7 +26,7 @@ from ..futures import evaluate, rows_of, select_columns
 from ..protocol import DataProto
 from ..wire import PartInfo
 
-__all__ = ["part_info", "evaluate_on_worker", "install"]
+__all__ = ["part_info", "part_info_of", "evaluate_on_worker", "install"]
 
 
 def _stored(stored: Any) -> Any:
@@ -47,11 +47,16 @@ def part_info(value: Any, key: str) -> PartInfo:
         value: the part (a ``DataProto`` or ``TensorDict``, or its snapshot).
         key: the part's Dask key.
     """
+    return part_info_of(value, key, get_worker().address)
+
+
+def part_info_of(value: Any, key: str, address: str) -> PartInfo:
+    """The :class:`PartInfo` of part ``key`` (``value``, or its snapshot) held at ``address``."""
     value = _stored(value)
     foreign_class = foreign.class_name(type(value)) if foreign.is_verl_dataproto(value) else None
     value = foreign.to_native(value) if foreign_class is not None else value
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
-    return PartInfo(get_worker().address, key, rows_of(value), meta, foreign_class)
+    return PartInfo(address, key, rows_of(value), meta, foreign_class)
 
 
 def _slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:

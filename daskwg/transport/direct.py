@@ -51,6 +51,8 @@ class DirectPath:
         private: bool,
         limit: Limit | None = None,
         status_timeout: float = 2.0,
+        refs: list | None = None,
+        relay_wait: float = 10.0,
     ) -> list:
         """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
 
@@ -64,6 +66,8 @@ class DirectPath:
             private: ``pool`` belongs to a loop that runs only while its thread is in a call.
             limit: the call's deadline.
             status_timeout: seconds a worker gets to answer the deadline report's status request.
+            refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s, or ``None``.
+            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
         Returns:
             the per-rank results, in the order of ``calls``.
         Raises:
@@ -72,7 +76,11 @@ class DirectPath:
             CallTimeoutError: ``limit`` passed.
         """
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(self._one(pool, c, p)) for c, p in zip(calls, payloads)]
+        refs = refs or [None] * len(calls)
+        tasks = [
+            asyncio.ensure_future(self._one(pool, c, p, r, relay_wait))
+            for c, p, r in zip(calls, payloads, refs)
+        ]
         await asyncio.wait(
             tasks,
             timeout=None if limit is None else max(limit.remaining(), 0.0),
@@ -105,11 +113,14 @@ class DirectPath:
             )
         return [t.result() for t in tasks]
 
-    async def _one(self, pool: Any, call: Call, payload: serialization.Packed) -> Any:
+    async def _one(
+        self, pool: Any, call: Call, payload: serialization.Packed, refs: list | None, relay_wait: float
+    ) -> Any:
         address = self.ranks.address(call.rank)
+        extra = {} if refs is None else {"refs": serialization.pack(refs), "relay_wait": relay_wait}
         try:
             response = await pool(address).daskwg_call(
-                call=call.to_wire(), payload=serialization.message_part(payload)
+                call=call.to_wire(), payload=serialization.message_part(payload), **extra
             )
         except (CommClosedError, OSError) as exc:
             raise await self.failures.connection_lost(call.rank, exc) from None

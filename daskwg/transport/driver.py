@@ -27,6 +27,8 @@ from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
 from ..wire import Call
 from .channel import Channel
+from .owned import Owned
+from .streams import CallStreams
 
 __all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
 
@@ -159,6 +161,9 @@ class Driver:
         self.placement: dict[str, str] = {}
         #: part key -> future of its ``wire.PartInfo``, while the part's future lives.
         self.part_infos: dict[str, Future] = {}
+        #: the results of this driver's non-blocking calls, and the streams they go on.
+        self.owned = Owned(client)
+        self.streams = CallStreams(client.connection_args)
 
     @classmethod
     def of(cls, client: Client) -> Driver:
@@ -240,6 +245,14 @@ class Driver:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            # Results of non-blocking calls there fail as lost (their stream's close may
+            # come late: a worker removed by the scheduler can still hold it open).
+            owned = [f for f in orphans if self.owned.record(f) is not None]
+            orphans = [f for f in orphans if self.owned.record(f) is None]
+            self.owned.lost(
+                [f.key for f in owned], lambda rec: WorkerLostError(rec.call.rank, address, reason)
+            )
+            self.streams.forget(address)
             if orphans:
                 # A task pinned to a worker that is gone would wait forever ("no-worker"
                 # state) in a plain future.result(): cancel it, saying why.
@@ -279,6 +292,7 @@ class Driver:
                     for f in list(self.inflight.get(sid, ()))
                     if not f.done()
                     and f in self.calls
+                    and self.owned.record(f) is None
                     and f.key not in self.paused_out
                     and now - max(since, self.calls[f].submitted) >= self.calls[f].paused_timeout
                 ]
