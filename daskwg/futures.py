@@ -17,6 +17,7 @@ fetches just those rows from the workers holding them (``daskwg.plugin.rows``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -24,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from distributed import wait
 from tensordict import TensorDictBase
 
 from . import foreign
@@ -122,13 +122,14 @@ def materialize(
 
 
 def _default_gather(futures: list) -> list:
-    # Dask's wait first: a non-blocking call's result is finished for Dask once the
-    # scheduler knows where it is, which client.gather needs.
+    # Each future's own result: a non-blocking call's comes straight from its worker
+    # (daskwg's CallFuture), not through the scheduler as client.gather's would.
     futures = list(futures)
-    client = futures[0].client
-    with client.as_current():
-        wait(futures)
-    return client.gather(futures)
+
+    async def results() -> list:
+        return list(await asyncio.gather(*(f._result() for f in futures)))
+
+    return futures[0].client.sync(results)
 
 
 def _as_key_list(keys: Any, name: str) -> list[str] | None:

@@ -29,6 +29,8 @@ __all__ = [
     "ResultRef",
     "task_key",
     "status_record",
+    "call_message",
+    "reply_message",
 ]
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
@@ -199,6 +201,30 @@ class ResultRef:
     source: str = ""
     via: str | None = None
     relays: int = 0
+
+
+def call_message(
+    call: Call, header: bytes, key: str | None, inline: int, relay_wait: float, refs: bytes | None
+) -> tuple:
+    """One call on a call stream (``daskwg.frames``), the arguments' buffers beside it:
+    ``("call", id, call fields, arguments' pickle header, key, inline, relay_wait, refs)``.
+
+    ``key``: where a non-blocking call's result stays (``None``: a blocking call, whose
+    reply carries the result); ``inline``: bytes up to which a kept result comes back too;
+    ``relay_wait``: ``daskwg.relay-wait``; ``refs``: the pickled ``(kind, values)`` of each
+    ``LazyArg`` (``None``: none). The id is the stream's to set.
+    """
+    return ("call", 0, call.to_wire(), header, key, inline, relay_wait, refs)
+
+
+def reply_message(
+    cid: int, status: str, nbytes: int | None, error: bytes | None, header: bytes | None
+) -> tuple:
+    """The reply to call ``cid`` on a call stream, the result's buffers beside it:
+    ``("reply", id, status, nbytes, error, result header)``: ``status`` is ``"OK"``,
+    ``"error"`` (``error``: the pickled exception) or ``"cancelled"``; ``nbytes`` the kept
+    result's size; ``header``: the result's pickle header when the result comes with it."""
+    return ("reply", cid, status, nbytes, error, header)
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

@@ -29,6 +29,7 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import pickle
 import threading
 import time
 import traceback
@@ -111,7 +112,7 @@ class HostPlugin(WorkerPlugin):
             "daskwg_metrics": self._handle_metrics,
         }
         worker.handlers.update(handlers)
-        rows.install(worker)
+        rows.install(worker, self.results.get)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -181,18 +182,51 @@ class HostPlugin(WorkerPlugin):
         inline: int = 0,
         relay_wait: float = 10.0,
     ) -> dict:
-        """The direct path: run one call (``Call`` fields as a plain tuple, arguments
-        packed by :func:`daskwg.serialization.pack`) and reply with its packed result, or,
-        given a ``key`` (a non-blocking call), keep the result here under it and reply with
-        its size (and the result itself when it is at most ``inline`` bytes).
+        """A call as a Dask request (``daskwg_call``): :meth:`run` it and reply with
+        ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
+        ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
+        send calls on call streams (``daskwg_stream``); this serves what else sends one."""
+        status, nbytes, error, result = await self.run(
+            Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
+        )
+        if status != "OK":
+            return {"status": status, "exception": to_serialize(error)}
+        reply: dict = {"status": "OK", "nbytes": nbytes}
+        if result is not None:
+            reply["result"] = serialization.message_part(result)
+        return reply
 
-        ``refs`` (packed): per ``LazyArg`` of the arguments ``(kind, values)``, fetched from
-        now on (``daskwg.plugin.inputs``); ``relay_wait``: seconds a relayed input waits for
-        its next consumer (``daskwg.relay-wait``)."""
-        call = Call(*call)
+    async def run(
+        self,
+        call: Call,
+        payload: serialization.Packed,
+        refs: Any,
+        key: str | None = None,
+        inline: int = 0,
+        relay_wait: float = 10.0,
+    ) -> tuple:
+        """Run one call that came straight to this worker (the direct path).
+
+        Args:
+            call: the call.
+            payload: its arguments, pickled (:func:`daskwg.serialization.dumps`).
+            refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
+                message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
+            key: a non-blocking call's: its result stays here under ``key``.
+            inline: bytes up to which a kept result is returned as well.
+            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+        Returns:
+            ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
+            ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
+            for the driver); ``result`` the snapshot to send back (a blocking call's, or a
+            kept one of at most ``inline`` bytes), else ``None``.
+        """
         try:
-            args = serialization.unpack(payload)
-            lazy = None if refs is None else self._inputs.prefetch(serialization.unpack(refs), relay_wait)
+            args = serialization.loads(payload)
+            del payload
+            if refs is not None:
+                refs = pickle.loads(refs) if isinstance(refs, bytes) else serialization.unpack(refs)
+            lazy = None if refs is None else self._inputs.prefetch(refs, relay_wait)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             # The call never reaches the host: give up its place in the order.
             self._sequencer.skip(call.session, call.seq)
@@ -205,8 +239,7 @@ class HostPlugin(WorkerPlugin):
             )
             if key is not None:
                 self.results.fail(key, error)
-            return {"status": "error", "exception": to_serialize(error)}
-        payload.clear()  # the message no longer holds the arguments (see enqueue's boxed)
+            return "error", None, error, None
         if key is not None:
             self.results.expect(key, call.session)
         box = [args]
@@ -221,35 +254,28 @@ class HostPlugin(WorkerPlugin):
                 # scheduler): the driver sees the connection close and reports the
                 # worker lost, never a bare CancelledError.
                 raise
-            result = None  # its future was cancelled before it ran
+            if key is not None:  # its future was cancelled before it ran
+                self.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
+            return "cancelled", None, None, None
         except BaseException as exc:  # noqa: BLE001
             error = picklable(exc)
             if key is not None:
                 self.results.fail(key, error)
             if self.calls.was_cancelled(call):
                 self.calls.forget_cancelled(call)
-                return {"status": "cancelled"}
-            return {"status": "error", "exception": to_serialize(error)}
-        if result is None and cfut.cancelled():
-            if key is not None:
-                self.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
-            return {"status": "cancelled"}
+                return "cancelled", None, None, None
+            return "error", None, error, None
         self.calls.forget_cancelled(call)
-        if key is not None:
-            self.results.put(key, result)
-            if result.nbytes > inline:
-                return {"status": "OK", "nbytes": result.nbytes}
-            return {"status": "OK", "nbytes": result.nbytes, "result": serialization.message_part(result)}
-        try:
-            packed = serialization.pack(result)
-        except Exception as exc:  # noqa: BLE001 - a result the snapshot let through
-            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), exc)
-            return {"status": "error", "exception": to_serialize(error)}
-        return {"status": "OK", "result": packed}
+        if not isinstance(result, serialization.Packed):
+            result = serialization.dumps(result)  # a life-cycle call's (None, True)
+        if key is None:
+            return "OK", result.nbytes, None, result
+        self.results.put(key, result)
+        return "OK", result.nbytes, None, result if result.nbytes <= inline else None
 
     async def _handle_stream(self, comm: Any) -> Any:
-        """A driver's call stream (:func:`daskwg.plugin.stream.serve`): non-blocking calls."""
-        return await stream.serve(comm, self._handle_call)
+        """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
+        return await stream.serve(comm, self.run, self.results.free)
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
         """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as

@@ -175,7 +175,7 @@ class Inputs:
     def _build(self, lazy: LazyArg, values: list) -> Any:
         fetched = [self._take(lazy.kind, v) for v in values]
         if lazy.kind == wire.ROWS:
-            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker)
+            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get)
         if len(fetched) == 1 and not isinstance(values[0], (_Fetched, ResultRef)):
             # Resolved by Dask (the task path): a part produced on this worker arrives as
             # the very object Dask keeps for its future, which a method that changes its

@@ -1,17 +1,18 @@
 """Results of non-blocking calls kept on this worker: :class:`ResultStore`.
 
 A non-blocking call's result stays on its rank's worker under a key the driver owns
-(:class:`daskwg.wire.ResultRef`), until the driver lets go of it. It is stored in the
-worker's data the way ``client.scatter`` stores data (``Worker.update_data``), so Dask's
-memory accounting, spilling and dashboard see it, and once the driver has registered the key
-with the scheduler (which then knows where it is but never holds it), Dask's own gather,
-``wait`` and release work on it too.
+(:class:`daskwg.wire.ResultRef`), until the driver lets go of it. When the driver registers
+the key with the scheduler (something waits for it through Dask, or it has lived a while;
+most results of an RL step are dropped before), the result moves into the worker's data the
+way ``client.scatter`` stores data (``daskwg_publish``: ``Worker.update_data``), so Dask's
+memory accounting, spilling, ``get_data`` and release apply to it from then on; until then
+it costs none of the Dask worker state machine's bookkeeping.
 
 Consumers fetch results here directly, worker to worker or driver to worker, never through
 the scheduler: ``daskwg_fetch`` (the value), ``daskwg_part_info`` (a ``DataProtoFuture``
 part's rows and ``meta_info``); both wait while the call that makes the result is queued or
 running, and answer with its error if it failed. ``daskwg_free`` drops results the driver
-let go of before the scheduler knew them.
+let go of before the scheduler knew them (as does a ``free`` message on a call stream).
 
 Threads: everything here runs on the worker's event loop.
 """
@@ -57,42 +58,57 @@ class ResultStore:
     def __init__(self, worker: Any, seen: Callable[[str, int], bool]):
         self.worker = worker
         self._seen = seen
-        self._pending: dict[str, asyncio.Future] = {}
+        # Results not published to Dask yet (most never are: dropped before that).
+        self._values: dict[str, serialization.Packed] = {}
+        self._pending: dict[str, asyncio.Future | None] = {}
         self._failed: dict[str, BaseException] = {}
         self._dropped: set[str] = set()
-        self._arrived = asyncio.Event()
+        self._arrived: asyncio.Event | None = None
         # Keys by driver session, so that a departed driver's results go with its ranks
-        # (pruned of the keys Dask released as it grows).
+        # (pruned of the keys released meanwhile as it grows).
         self._by_session: dict[str, set[str]] = {}
 
     def install(self) -> None:
-        """Install the ``daskwg_fetch``, ``daskwg_part_info`` and ``daskwg_free`` handlers."""
+        """Install the ``daskwg_fetch``, ``daskwg_part_info``, ``daskwg_free`` and
+        ``daskwg_publish`` handlers."""
         self.worker.handlers.update(
             {
                 "daskwg_fetch": self._handle_fetch,
                 "daskwg_part_info": self._handle_part_info,
                 "daskwg_free": self._handle_free,
+                "daskwg_publish": self._handle_publish,
             }
         )
+
+    def get(self, key: str) -> Any:
+        """The stored value of ``key`` (``KeyError`` if it is not here)."""
+        value = self._values.get(key)
+        return self.worker.data[key] if value is None else value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values or key in self.worker.data
 
     # ---- the producing call's side -------------------------------------------------
 
     def expect(self, key: str, session: str) -> None:
         """The call that makes ``key`` arrived (from driver ``session``): fetches wait for it from now."""
-        self._pending[key] = asyncio.get_running_loop().create_future()
+        self._pending[key] = None
         keys = self._by_session.setdefault(session, set())
         keys.add(key)
         if len(keys) > _PRUNE_ABOVE and len(keys) % _PRUNE_ABOVE == 1:
-            keys.intersection_update(set(self._pending) | set(self._failed) | set(self.worker.data))
-        arrived, self._arrived = self._arrived, asyncio.Event()
-        arrived.set()
+            keys.intersection_update(
+                [k for k in keys if k in self or k in self._pending or k in self._failed]
+            )
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
 
     def put(self, key: str, packed: serialization.Packed) -> None:
         """Store the call's result (its snapshot) under ``key``."""
         if key in self._dropped:
             self._dropped.discard(key)
         else:
-            self.worker.update_data({key: packed}, stimulus_id=f"daskwg-result-{time.time()}")
+            self._values[key] = packed
         self._settle(key)
 
     def fail(self, key: str, exc: BaseException) -> None:
@@ -110,20 +126,32 @@ class ResultStore:
 
     def free(self, keys: list[str]) -> None:
         """Drop these results (the driver let go of them), or drop them as they come."""
-        stored = []
+        published = []
         for key in keys:
-            if self._failed.pop(key, None) is not None:
+            if self._values.pop(key, None) is not None or self._failed.pop(key, None) is not None:
                 continue
             if key in self._pending:
                 self._dropped.add(key)
             elif key in self.worker.data:
-                stored.append(key)
-        if stored:
-            self.worker.handle_stimulus(FreeKeysEvent(keys=stored, stimulus_id=f"daskwg-free-{time.time()}"))
+                published.append(key)
+        if published:
+            self.worker.handle_stimulus(
+                FreeKeysEvent(keys=published, stimulus_id=f"daskwg-free-{time.time()}")
+            )
 
     def forget_session(self, session: str) -> None:
         """Drop every result of driver ``session`` (it left)."""
         self.free(list(self._by_session.pop(session, ())))
+
+    def _handle_publish(self, keys: list[str]) -> dict[str, int]:
+        """``daskwg_publish``: move these results into the worker's data, as ``client.scatter``
+        stores data, before the driver tells the scheduler where they are (from then on Dask's
+        memory accounting, spilling, ``get_data`` and release apply to them). Returns
+        ``{key: bytes}`` of those that are here."""
+        values = {k: self._values.pop(k) for k in keys if k in self._values}
+        if values:
+            self.worker.update_data(values, stimulus_id=f"daskwg-publish-{time.time()}")
+        return {k: v.nbytes for k, v in values.items()}
 
     # ---- the consumers' side -------------------------------------------------------
 
@@ -137,10 +165,12 @@ class ResultStore:
         """
         key = ref.key
         while True:
-            if key in self.worker.data:
-                return self.worker.data[key]
-            waiter = self._pending.get(key)
-            if waiter is not None:
+            if key in self:
+                return self.get(key)
+            if key in self._pending:
+                waiter = self._pending[key]
+                if waiter is None:
+                    waiter = self._pending[key] = asyncio.get_running_loop().create_future()
                 await asyncio.shield(waiter)
                 continue
             failed = self._failed.get(key)
@@ -152,9 +182,10 @@ class ResultStore:
                     f"{self.worker.address}: it was released (keep its future until the call that consumes "
                     "it has been sent), its call never ran there, or the worker restarted"
                 )
-            arrived = self._arrived
+            if self._arrived is None:
+                self._arrived = asyncio.Event()
             try:
-                await asyncio.wait_for(arrived.wait(), _ARRIVAL_POLL)
+                await asyncio.wait_for(self._arrived.wait(), _ARRIVAL_POLL)
             except asyncio.TimeoutError:
                 pass
 

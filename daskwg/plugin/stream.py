@@ -1,10 +1,11 @@
 """A driver's call stream to this worker: the ``daskwg_stream`` handler (:func:`serve`).
 
-Non-blocking calls come to a worker on one long-lived Dask comm per driver (opened by
-``daskwg.transport.streams``), as Dask's own scheduler and workers talk on batched
-streams: no connection per call, however many calls wait in the worker's queue. Each
-message is one call (``{"op": "call", "key", ...}``, the arguments of the host's
-``daskwg_call`` handler); each reply carries the call's key, in the order calls finish.
+Drivers send their calls to a worker on call streams (``daskwg.transport.streams``): one
+connection per driver loop and worker, which a Dask comm opened and on which both ends then
+write :class:`daskwg.frames.FrameStream` frames. Each message is one call
+(:func:`daskwg.wire.call_message`, the arguments' buffers beside it); each reply
+(:func:`daskwg.wire.reply_message`) goes out when its call finishes, in whatever order
+calls finish, so no connection is held per waiting call.
 
 Everything here runs on the worker's event loop.
 """
@@ -13,59 +14,77 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from distributed.comm.core import CommClosedError
 from distributed.core import Status
-from distributed.protocol import to_serialize
+
+from .. import serialization
+from ..errors import safe_str
+from ..frames import FrameStream
+from ..wire import Call, reply_message
 
 __all__ = ["serve"]
 
 logger = logging.getLogger(__name__)
 
 
-async def serve(comm: Any, handle_call: Callable[..., Awaitable[dict]]) -> Any:
+async def serve(comm: Any, run: Callable[..., Awaitable[tuple]], free: Callable[[list], None]) -> Any:
     """Serve one call stream until the driver closes it.
 
     Args:
         comm: the stream's comm (the handler's first argument).
-        handle_call: the host's ``daskwg_call`` handler: ``(**message) -> reply``.
+        run: the host's ``run(call, payload, refs, key, inline, relay_wait)``.
+        free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
+            of them before the scheduler heard of them).
     Returns:
         ``Status.dont_reply`` (replies go out as calls finish).
     """
-    # Messages here are known: no need for Dask to size each one to decide whether to
-    # (de)serialise it on a thread; large arguments are frames it does not copy anyway.
-    comm.allow_offload = False
+    frames = FrameStream(comm)
     lock = asyncio.Lock()
     while True:
         try:
-            message = await comm.read()
-        except (CommClosedError, OSError):
+            message, buffers = await frames.read()
+        except OSError:  # CommClosedError: the driver closed it, or went away
             break
-        op = message.pop("op", "call")
-        if op != "call":
-            logger.warning("daskwg call stream: unknown message %r ignored", op)
-            continue
-        asyncio.ensure_future(_one(comm, lock, message, handle_call))
+        if message[0] == "call":
+            asyncio.ensure_future(_one(frames, lock, message, buffers, run))
+        elif message[0] == "free":
+            free(list(message[2]))
+        else:
+            logger.warning("daskwg call stream: unknown message %r ignored", message[0])
     return Status.dont_reply
 
 
-async def _one(
-    comm: Any, lock: asyncio.Lock, message: dict, handle_call: Callable[..., Awaitable[dict]]
-) -> None:
-    key = message["key"]
+async def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, run: Any) -> None:
+    _, cid, call, header, key, inline, relay_wait, refs = message
     try:
-        reply = await handle_call(**message)
+        status, nbytes, error, result = await run(
+            Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait
+        )
     except asyncio.CancelledError:
         return  # the worker is closing: the driver sees the stream close
-    except Exception as exc:  # noqa: BLE001 - the handler answers its own errors; this is a defect
-        logger.exception("daskwg call stream: the call %s failed outside its handler", key)
-        error = RuntimeError(f"daskwg's host failed to run the call: {exc!r}")
-        reply = {"status": "error", "exception": to_serialize(error)}
-    reply["key"] = key
+    except Exception as exc:  # noqa: BLE001 - run answers its own errors; this is a defect
+        logger.exception("daskwg call stream: call %s failed outside the host", call)
+        status, nbytes, error, result = "error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None
+    del buffers
+    reply = reply_message(
+        cid,
+        status,
+        nbytes,
+        None if error is None else _pickled(error),
+        None if result is None else result.header,
+    )
     async with lock:
         try:
-            await comm.write(reply)
-        except (CommClosedError, OSError):
-            pass  # the driver is gone; its results stay until it is released
+            await frames.write(reply, [] if result is None else result.buffers)
+        except OSError:
+            pass  # the driver is gone; kept results stay until it is released
+
+
+def _pickled(error: BaseException) -> bytes:
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001 - shaped by the host to pickle; this is the last resort
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {safe_str(error)}"))

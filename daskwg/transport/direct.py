@@ -1,25 +1,26 @@
-"""The direct path: blocking calls sent straight to the hosting workers' ``daskwg_call``
-handler over Dask's comm, like Dask actors: one round trip, no scheduler hop.
+"""The direct path: blocking calls sent straight to the hosting workers on call streams
+(``daskwg.transport.streams``), like Dask actors: one round trip, no scheduler hop.
 
 :meth:`DirectPath.send` runs on the calling thread's own event loop (a
-:class:`~daskwg.transport.channel.Channel`) or on the client's (``client.sync``); the
-payloads are already packed once (:func:`daskwg.serialization.dumps`).
+:class:`~daskwg.transport.channel.Channel`, with streams of its own) or on the client's
+(``client.sync``); the payloads are already packed once (:func:`daskwg.serialization.dumps`),
+and their buffers go out as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from typing import Any
 
-from distributed.comm.core import CommClosedError
-
-from .. import serialization
+from .. import serialization, wire
 from ..deadlines import Limit
-from ..errors import RankError, WorkerLostError
+from ..errors import GroupBrokenError, RankError, WorkerLostError
 from ..wire import Call
 from .driver import GroupRanks
 from .failures import TRANSFER_ERRORS, CallWatch, FailureState, transfer_error
+from .streams import CallStreams
 from .waiting import timeout_error
 
 __all__ = ["DirectPath"]
@@ -45,6 +46,7 @@ class DirectPath:
     async def send(
         self,
         pool: Any,
+        streams: CallStreams,
         calls: list[Call],
         payloads: list,
         grace: float,
@@ -59,7 +61,8 @@ class DirectPath:
         Args:
             pool: a Dask ``ConnectionPool``: the client's (on the client's event loop) or
                 the calling thread's own (``private``), which saves the two thread hops of
-                ``client.sync`` on every call.
+                ``client.sync`` on every call; for the deadline report's status requests.
+            streams: the :class:`~daskwg.transport.streams.CallStreams` of the same loop.
             calls: one :class:`~daskwg.wire.Call` per rank.
             payloads: per call, a :class:`~daskwg.serialization.Packed`.
             grace: seconds the other ranks get after one raised.
@@ -78,7 +81,7 @@ class DirectPath:
         t0 = time.monotonic()
         refs = refs or [None] * len(calls)
         tasks = [
-            asyncio.ensure_future(self._one(pool, c, p, r, relay_wait))
+            asyncio.ensure_future(self._one(streams, c, p, r, relay_wait))
             for c, p, r in zip(calls, payloads, refs)
         ]
         await asyncio.wait(
@@ -114,29 +117,32 @@ class DirectPath:
         return [t.result() for t in tasks]
 
     async def _one(
-        self, pool: Any, call: Call, payload: serialization.Packed, refs: list | None, relay_wait: float
+        self,
+        streams: CallStreams,
+        call: Call,
+        payload: serialization.Packed,
+        refs: list | None,
+        relay_wait: float,
     ) -> Any:
         address = self.ranks.address(call.rank)
-        extra = {} if refs is None else {"refs": serialization.pack(refs), "relay_wait": relay_wait}
+        message = wire.call_message(
+            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
+        )
         try:
-            response = await pool(address).daskwg_call(
-                call=call.to_wire(), payload=serialization.message_part(payload), **extra
-            )
-        except (CommClosedError, OSError) as exc:
+            reply, buffers = await streams.request(address, call.worker_id, message, payload.buffers)
+        except OSError as exc:  # the stream closed, or could not be opened
             raise await self.failures.connection_lost(call.rank, exc) from None
-        except TRANSFER_ERRORS as exc:
-            # The arguments could not be unpickled on the worker, or the result here:
-            # name the call instead of a bare Dask protocol error. If the call never
-            # reached the host, its place in the order must be given up, or every later
-            # call to this worker would wait behind it (skip is a no-op if it ran).
-            try:
-                await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
-            except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
-                pass
-            raise transfer_error(call.rank, address, call.method, exc) from None
-        if response.get("status") != "OK":
-            raise self.failures.response_error(call, response["exception"])
+        _, _, status, _, error, header = reply
         try:
-            return serialization.unpack(response["result"])
+            if status == "OK":
+                return serialization.loads(serialization.Packed(header, buffers))
+            exc = (
+                pickle.loads(error)
+                if error is not None
+                else GroupBrokenError(f"{call.method!r} was cancelled")
+            )
         except TRANSFER_ERRORS as exc:
+            # The result (or the error) could not be unpickled here: name the call instead
+            # of a bare unpickling error.
             raise transfer_error(call.rank, address, call.method, exc) from None
+        raise self.failures.response_error(call, exc)

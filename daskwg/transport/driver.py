@@ -162,8 +162,8 @@ class Driver:
         #: part key -> future of its ``wire.PartInfo``, while the part's future lives.
         self.part_infos: dict[str, Future] = {}
         #: the results of this driver's non-blocking calls, and the streams they go on.
-        self.owned = Owned(client)
         self.streams = CallStreams(client.connection_args)
+        self.owned = Owned(client, self.streams)
 
     @classmethod
     def of(cls, client: Client) -> Driver:

@@ -191,6 +191,7 @@ class GroupTransport:
                 return client.sync(
                     self.direct.send,
                     client.rpc,
+                    driver.streams,
                     calls,
                     packed,
                     grace,
@@ -203,6 +204,7 @@ class GroupTransport:
             return channel.run(
                 self.direct.send(
                     channel.pool,
+                    channel.streams,
                     calls,
                     packed,
                     grace,
@@ -211,7 +213,8 @@ class GroupTransport:
                     settings.status_timeout,
                     refs,
                     settings.relay_wait,
-                )
+                ),
+                fresh=False,
             )
         except (KeyboardInterrupt, asyncio.CancelledError):
             failures.abandon_calls(calls, "interrupted")
@@ -287,7 +290,7 @@ class GroupTransport:
         ]
         try:
             packed = [serialization.dumps(None)] * len(calls)
-            await self.direct.send(ranks.client.rpc, calls, packed, 0.0, False)
+            await self.direct.send(ranks.client.rpc, driver.streams, calls, packed, 0.0, False)
         except Exception as exc:  # noqa: BLE001 - best effort, nobody waits on it
             logger.info("group %s: releasing the dropped group's ranks failed: %s", ranks.name, exc)
         else:

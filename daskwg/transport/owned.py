@@ -9,13 +9,17 @@ owner), or the error the call raised.
 
 Dask sees these futures as its own:
 
-* once a result exists, the driver registers its key with the scheduler
-  (``update_data``, as ``client.scatter`` does: the scheduler learns where the result is and
-  its size, and never holds its bytes); from then on the future is ``finished`` for
-  ``distributed.wait``, ``as_completed``, ``client.gather`` and ``future.done()``, it shows on
-  the dashboard's memory views, and dropping it releases the result through Dask's own
-  reference counting. daskwg's own waits (:meth:`Owned.wait`: group calls, ``daskwg.get``,
-  ``DataProtoFuture.get()``) do not wait for that: they finish with the call's reply;
+* a future is ``finished`` (``future.done()``, ``future.status``) with its call's reply,
+  and daskwg's own waits (:meth:`Owned.wait`: group calls, ``daskwg.get``,
+  ``DataProtoFuture.get()``) and :meth:`CallFuture.result` need nothing more;
+* once something waits for it through Dask (``distributed.wait``, ``as_completed``,
+  ``client.gather``, ``add_done_callback``), or it has lived for
+  :data:`REGISTER_AFTER` seconds, the driver registers its key with the scheduler
+  (``update_data``, as ``client.scatter`` does: the scheduler learns where the result is
+  and its size, and never holds its bytes), so Dask's own gather, the dashboard's memory
+  views and Dask tasks taking the future work on it, and dropping it releases the result
+  through Dask's reference counting. Results dropped before that (most of an RL step's)
+  never cost the scheduler anything: the driver drops them on their workers itself;
 * a failed call's future is ``error`` with the call's ``RankError`` at once;
 * ``future.cancel()`` reaches the rank (a queued call is skipped, an ``async def`` one
   interrupted, as on the task path), and a future dropped before its result exists has the
@@ -45,12 +49,17 @@ from distributed.comm.core import CommClosedError
 from .. import serialization
 from ..errors import GroupBrokenError, WorkerLostError
 from ..wire import Call
+from .streams import CallStreams
 
-__all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState"]
+__all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState", "REGISTER_AFTER"]
 
 logger = logging.getLogger(__name__)
 
 PENDING, FINISHED, ERROR, CANCELLED = "pending", "finished", "error", "cancelled"
+
+#: Seconds after which a result the program still holds is registered with the scheduler
+#: even if nothing waited for it through Dask (so Dask's views and tasks see it).
+REGISTER_AFTER = 0.5
 
 
 @dataclass(eq=False)
@@ -63,11 +72,12 @@ class OwnedResult:
         address: the worker holding it.
         status: ``"pending"``, ``"finished"``, ``"error"`` or ``"cancelled"``.
         nbytes: its size once finished.
-        inline: the result itself, as a message part, when it came back with the reply
-            (one with tensors is taken by the first read).
+        inline: the result itself (pickled) when it came back with the reply (one with
+            tensors is taken by the first read).
         error: the call's error.
         pinned: futures the call reads (its ``DataProtoFuture`` and future arguments), kept
             alive until it ends even if the program drops them.
+        wanted: something waits for it through Dask (register it once it exists).
         registering, registered: where its registration with the scheduler is.
     """
 
@@ -77,26 +87,42 @@ class OwnedResult:
     state: OwnedState
     status: str = PENDING
     nbytes: int | None = None
-    inline: dict | None = None
+    inline: serialization.Packed | None = None
     error: BaseException | None = None
     pinned: tuple = ()
+    wanted: bool = False
     registering: bool = False
     registered: bool = False
 
 
 class OwnedState(FutureState):
-    """The Dask state of a :class:`CallFuture`'s key, which tells :class:`Owned` when Dask
-    cancels it (``future.cancel()``, ``client.cancel``, a restart) or releases it (the last
-    future of the key was dropped)."""
+    """The Dask state of a :class:`CallFuture`'s key: ``finished`` with the call's reply
+    (its Dask event waits for the scheduler to know the key, which waiting on it asks
+    for), and it tells :class:`Owned` when Dask cancels it (``future.cancel()``,
+    ``client.cancel``, a restart) or releases it (the last future of the key was dropped)."""
 
-    __slots__ = ("owned",)
+    __slots__ = ("owned", "_settled")
 
     def __init__(self, key: str, owned: Owned):
         super().__init__(key)
         self.owned = owned
+        self._settled = asyncio.Event()
+
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    async def wait(self, timeout: float | None = None) -> None:
+        # Dask waits for it (wait, as_completed, gather): the scheduler must know it first.
+        self.owned.demand(self.key)
+        await super().wait(timeout)
+
+    async def settled(self) -> None:
+        """Until the call's reply came (no registration needed)."""
+        await self._settled.wait()
 
     def cancel(self, reason: Any = None, msg: Any = None) -> None:
         super().cancel(reason, msg)
+        self._settled.set()
         # Dask's _release_key calls this once the key's reference count is gone; any other
         # caller (Client._cancel, the scheduler's cancelled-keys) leaves it in place.
         self.owned.on_cancel(self.key, released=self.key not in self.owned.client.refcount)
@@ -108,11 +134,12 @@ class CallFuture(Future):
     that worker directly, never through the scheduler."""
 
     async def _result(self, raiseit: bool = True) -> Any:
-        await self._state.wait()
-        owned = getattr(self._state, "owned", None)
-        if self.status != "finished" or owned is None:
-            return await super()._result(raiseit)
-        return (await owned.fetch([self.key], self.client.rpc))[0]
+        state = self._state
+        if isinstance(state, OwnedState):
+            await state.settled()
+            if state.status == "finished" and self.key in state.owned.records:
+                return (await state.owned.fetch([self.key], self.client.rpc))[0]
+        return await super()._result(raiseit)
 
 
 class Owned:
@@ -120,13 +147,17 @@ class Owned:
 
     Args:
         client: the driver's client.
+        streams: its call streams on the client's loop (results are dropped on a worker
+            with a message on its stream).
     """
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, streams: CallStreams):
         self.client = client
         self.records: dict[str, OwnedResult] = {}
         #: notified (from the client's loop) whenever a result finishes, fails or is cancelled.
         self.cond = threading.Condition()
+        self.streams = streams
+        self._frees: dict[tuple[str, str | None], list[str]] = {}
         self._to_register: list[OwnedResult] = []
         self._registering = False
 
@@ -149,23 +180,21 @@ class Owned:
 
     # ---- settling (the client's loop) ------------------------------------------------
 
-    def finished(self, key: str, nbytes: int, inline: dict | None = None) -> None:
+    def finished(self, key: str, nbytes: int, inline: serialization.Packed | None = None) -> None:
         """The call of ``key`` returned; its result (``nbytes``) is on its worker, and
-        ``inline`` is the result itself as a message part when it came with the reply."""
+        ``inline`` is the result itself when it came with the reply."""
         rec = self.records.get(key)
         if rec is None or rec.status != PENDING:
             if rec is not None:
                 self._forget(rec)  # cancelled meanwhile: the result is nobody's
             return
         self._settle(rec, FINISHED, nbytes=nbytes, inline=inline)
-        if self._alive(rec):
-            rec.registering = True
-            self._to_register.append(rec)
-            if not self._registering:
-                self._registering = True
-                asyncio.ensure_future(self._register())
-        else:
+        if not self._alive(rec):
             self._forget(rec)
+        elif rec.wanted:
+            self._queue_registration(rec)
+        else:
+            self.client.loop.call_later(REGISTER_AFTER, self._register_if_alive, key)
 
     def failed(self, key: str, error: BaseException) -> None:
         """The call of ``key`` failed with ``error`` (a daskwg error)."""
@@ -202,6 +231,30 @@ class Owned:
                 setattr(rec, name, value)
             rec.pinned = ()
             self.cond.notify_all()
+        if status == FINISHED and rec.state.status == PENDING:
+            rec.state.status = FINISHED
+        rec.state._settled.set()
+
+    def demand(self, key: str) -> None:
+        """Something waits for ``key`` through Dask: register it as soon as it exists."""
+        rec = self.records.get(key)
+        if rec is None or rec.registered or rec.registering:
+            return
+        rec.wanted = True
+        if rec.status == FINISHED and self._alive(rec):
+            self._queue_registration(rec)
+
+    def _register_if_alive(self, key: str) -> None:
+        rec = self.records.get(key)
+        if rec is not None and not (rec.registered or rec.registering) and self._alive(rec):
+            self._queue_registration(rec)
+
+    def _queue_registration(self, rec: OwnedResult) -> None:
+        rec.registering = True
+        self._to_register.append(rec)
+        if not self._registering:
+            self._registering = True
+            asyncio.ensure_future(self._register())
 
     def _alive(self, rec: OwnedResult) -> bool:
         """Whether the program still holds the future (its state is still the key's)."""
@@ -235,44 +288,72 @@ class Owned:
         if self.records.get(rec.key) is rec:
             del self.records[rec.key]
         if not rec.registered:
-            asyncio.ensure_future(self._tell(rec.address, "daskwg_free", keys=[rec.key]))
+            self.free(rec.address, rec.call.worker_id, rec.key)
 
     async def _register(self) -> None:
-        """Tell the scheduler where finished results are (a batch per round trip)."""
+        """Tell the scheduler where finished results are (a batch per round trip), once
+        their workers have moved them into their Dask data (``daskwg_publish``)."""
         client = self.client
         try:
             while self._to_register:
                 batch, self._to_register = self._to_register, []
-                try:
-                    await client.scheduler.update_data(
-                        who_has={r.key: [r.address] for r in batch},
-                        nbytes={r.key: r.nbytes for r in batch},
-                        client=client.id,
-                    )
-                except Exception as exc:  # noqa: BLE001 - e.g. a worker the scheduler removed
-                    logger.debug("registering %d results with the scheduler failed: %s", len(batch), exc)
-                    for r in batch:
-                        r.registering = False
-                        if self._alive(r):
-                            r.state.finish()
-                        else:
-                            self._forget(r)
-                    continue
+                by_address: dict[str, list[OwnedResult]] = {}
+                for r in batch:
+                    by_address.setdefault(r.address, []).append(r)
+                published: dict[str, int] = {}
+                for address, records in by_address.items():
+                    try:
+                        published.update(
+                            await client.rpc(address).daskwg_publish(keys=[r.key for r in records])
+                        )
+                    except Exception as exc:  # noqa: BLE001 - the worker is gone: reading them says so
+                        logger.debug("publishing %d results on %s failed: %s", len(records), address, exc)
+                if published:
+                    try:
+                        await client.scheduler.update_data(
+                            who_has={k: [self.records[k].address] for k in published if k in self.records},
+                            nbytes=published,
+                            client=client.id,
+                        )
+                    except Exception as exc:  # noqa: BLE001 - e.g. a worker the scheduler removed
+                        logger.debug(
+                            "registering %d results with the scheduler failed: %s", len(published), exc
+                        )
+                        published = {}
                 released = []
                 for r in batch:
-                    r.registering, r.registered = False, True
+                    r.registering = False
+                    r.registered = r.key in published
                     if self._alive(r):
                         r.state.finish()
-                    else:
+                    elif r.registered:
                         # Released before the scheduler knew the key: release it again.
                         released.append(r.key)
                         self.records.pop(r.key, None)
+                    else:
+                        self._forget(r)
                 if released and client.status == "running":
                     client._send_to_scheduler(
                         {"op": "client-releases-keys", "keys": released, "client": client.id}
                     )
         finally:
             self._registering = False
+
+    def free(self, address: str, server_id: str | None, key: str) -> None:
+        """Drop the result ``key`` on its worker (with the others dropped in this loop turn)."""
+        target = (address, server_id)
+        keys = self._frees.setdefault(target, [])
+        keys.append(key)
+        if len(keys) == 1:
+            self.client.loop.add_callback(self._flush_frees, target)
+
+    async def _flush_frees(self, target: tuple[str, str | None]) -> None:
+        keys = self._frees.pop(target, [])
+        if keys:
+            try:
+                await self.streams.post(target[0], target[1], ("free", 0, keys))
+            except OSError:
+                pass  # the worker is gone, and its results with it
 
     async def _tell(self, address: str, handler: str, **kwargs: Any) -> None:
         try:
@@ -302,13 +383,13 @@ class Owned:
             raise GroupBrokenError(f"the result {key!r} was released: keep its future until it is read")
         if rec.status == ERROR:
             raise rec.error
-        part = rec.inline
-        if part is not None:
-            if "pickled" not in part:
-                # Its tensors would be the received buffer's: taken once, so two reads of
+        packed = rec.inline
+        if packed is not None:
+            if packed.buffers:
+                # Its tensors would be the received buffers': taken once, so two reads of
                 # the future never share memory (a later one fetches a copy of its own).
                 rec.inline = None
-            return serialization.unpack(part)
+            return serialization.loads(packed)
         call = rec.call
         try:
             response = await rpc(rec.address).daskwg_fetch(

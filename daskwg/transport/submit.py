@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import pickle
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +25,6 @@ from ..wire import Call
 from .driver import GroupRanks, TaskCall
 from .failures import TRANSFER_ERRORS, FailureState, transfer_error
 from .owned import CallFuture
-from .streams import StreamClosed
 
 __all__ = ["SubmitPath"]
 
@@ -74,19 +74,16 @@ class SubmitPath:
                 driver.calls[future] = TaskCall(call, now, settings.paused_timeout)
                 driver.inflight[ranks.slots[call.rank].server_id].add(future)
                 futures.append(future)
-                if not big and payload.buffers:
-                    payload = serialization.Packed(payload.header, [bytes(b) for b in payload.buffers])
-                messages.append(
-                    {
-                        "op": "call",
-                        "key": key,
-                        "call": call.to_wire(),
-                        "payload": serialization.message_part(payload),
-                        "refs": serialization.pack(call_refs) if call_refs else None,
-                        "inline": settings.inline_results,
-                        "relay_wait": settings.relay_wait,
-                    }
+                buffers = payload.buffers if big else [bytes(b) for b in payload.buffers]
+                message = wire.call_message(
+                    call,
+                    payload.header,
+                    key,
+                    settings.inline_results,
+                    settings.relay_wait,
+                    pickle.dumps(call_refs) if call_refs else None,
                 )
+                messages.append((message, buffers))
             written = threading.Event() if big else None
             ranks.client.loop.add_callback(self._send_all, calls, messages, written)
         except BaseException:
@@ -98,7 +95,7 @@ class SubmitPath:
             written.wait()
         return futures
 
-    def _send_all(self, calls: list[Call], messages: list[dict], written: threading.Event | None) -> None:
+    def _send_all(self, calls: list[Call], messages: list, written: threading.Event | None) -> None:
         remaining = [len(calls)]
 
         def one_written() -> None:
@@ -106,34 +103,37 @@ class SubmitPath:
             if remaining[0] == 0 and written is not None:
                 written.set()
 
-        for call, message in zip(calls, messages):
-            asyncio.ensure_future(self._one(call, message, one_written))
+        for call, (message, buffers) in zip(calls, messages):
+            asyncio.ensure_future(self._one(call, message, buffers, one_written))
 
-    async def _one(self, call: Call, message: dict, written: Any) -> None:
-        owned, address = self.ranks.driver.owned, self.ranks.address(call.rank)
-        key = message["key"]
+    async def _one(self, call: Call, message: tuple, buffers: list, written: Any) -> None:
+        driver, address = self.ranks.driver, self.ranks.address(call.rank)
+        key = message[4]
         try:
-            await self.ranks.driver.streams.send(address, message, functools.partial(self._reply, call, key))
-        except OSError as exc:  # CommClosedError is one
-            owned.failed(key, await self.failures.connection_lost(call.rank, exc))
-        except TRANSFER_ERRORS as exc:
-            await self._skip(call)
-            owned.failed(key, transfer_error(call.rank, address, call.method, exc))
+            await driver.streams.send(
+                address, call.worker_id, message, buffers, functools.partial(self._reply, call, key)
+            )
+        except OSError as exc:  # the stream closed, or could not be opened
+            driver.owned.failed(key, await self.failures.connection_lost(call.rank, exc))
         finally:
             written()
 
-    def _reply(self, call: Call, key: str, reply: Any) -> None:
+    def _reply(self, call: Call, key: str, reply: Any, buffers: list) -> None:
         owned = self.ranks.driver.owned
-        if isinstance(reply, StreamClosed):
+        if isinstance(reply, BaseException):
             asyncio.ensure_future(self._lost(call, key, reply))
             return
-        status = reply.get("status")
+        _, _, status, nbytes, error, header = reply
         if status == "OK":
-            owned.finished(key, reply["nbytes"], reply.get("result"))
+            owned.finished(key, nbytes, None if header is None else serialization.Packed(header, buffers))
         elif status == "cancelled":
             owned.cancelled(key)
         else:
-            owned.failed(key, self.failures.response_error(call, reply["exception"]))
+            try:
+                exc = pickle.loads(error)
+            except TRANSFER_ERRORS as unpickling:
+                exc = transfer_error(call.rank, self.ranks.address(call.rank), call.method, unpickling)
+            owned.failed(key, self.failures.response_error(call, exc))
 
     async def _lost(self, call: Call, key: str, exc: BaseException) -> None:
         self.ranks.driver.owned.failed(key, await self.failures.connection_lost(call.rank, exc))
