@@ -28,6 +28,8 @@ from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
 from ..wire import Call, session_id
 from . import losses
 from .channel import Channel
+from .owned import Owned
+from .streams import CallStreams
 
 __all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
 
@@ -197,6 +199,9 @@ class Driver:
         self.closing: dict[str, str] = {}
         #: worker address -> ``(nanny address, pid)`` of the process watched there last.
         self.processes: dict[str, tuple[str | None, int | None]] = {}
+        #: the results of this driver's non-blocking calls, and the streams they go on.
+        self.streams = CallStreams(client.connection_args)
+        self.owned = Owned(client, self.streams)
 
     @classmethod
     def of(cls, client: Client) -> Driver:
@@ -362,6 +367,14 @@ class Driver:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            # Results of non-blocking calls there fail as lost (their stream's close may
+            # come late: a worker removed by the scheduler can still hold it open).
+            owned = [f for f in orphans if self.owned.record(f) is not None]
+            orphans = [f for f in orphans if self.owned.record(f) is None]
+            self.owned.lost(
+                [f.key for f in owned], lambda rec: WorkerLostError(rec.call.rank, address, reason)
+            )
+            self.streams.forget(address)
             if orphans:
                 # A task pinned to a worker that is gone would wait forever ("no-worker"
                 # state) in a plain future.result(): it fails with WorkerLostError.
@@ -405,6 +418,7 @@ class Driver:
                     for f in list(self.inflight.get(sid, ()))
                     if not f.done()
                     and f in self.calls
+                    and self.owned.record(f) is None
                     and f.key not in self.paused_out
                     and now - max(since, self.calls[f].submitted) >= self.calls[f].paused_timeout
                 ]
@@ -508,16 +522,13 @@ class Driver:
         the stuck call returns (for a collective: its timeout, 30 min by default for
         gloo), which is a hang as far as the user can tell.
         """
-        now = time.monotonic()
-        for slot in slots:
-            entry = self._live(self.stuck, slot.server_id)
-            if entry is not None:
-                raise GroupBrokenError(
-                    f"cannot run {what} on {slot.address}: its host thread is {entry.describe(now)}, and calls "
-                    "run one at a time there. Wait for that call to end and retry, let the collective time out "
-                    "(pass a short timeout= to init_process_group), or restart that worker "
-                    f"(client.restart_workers([{slot.address!r}]))"
-                )
+        for slot, busy in self._busy(self.stuck, slots):
+            raise GroupBrokenError(
+                f"cannot run {what} on {slot.address}: its host thread is {busy}, and calls "
+                "run one at a time there. Wait for that call to end and retry, let the collective time out "
+                "(pass a short timeout= to init_process_group), or restart that worker "
+                f"(client.restart_workers([{slot.address!r}]))"
+            )
 
     def check_not_behind_abandoned(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to build a group's ranks, without a deadline, behind a call the driver
@@ -527,14 +538,18 @@ class Driver:
         Raises:
             GroupBrokenError: naming the call, its group and age, and what to do.
         """
+        for slot, busy in self._busy(self.abandoned, slots):
+            raise GroupBrokenError(
+                f"cannot build {what} on {slot.address}: the worker is {busy}, and calls run "
+                "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
+                "on other workers (workers=...), wait for that call to end, give the build a deadline "
+                "(with daskwg.deadline(s): ...) to wait behind it, or restart that worker "
+                f"(client.restart_workers([{slot.address!r}]))"
+            )
+
+    def _busy(self, table: dict, slots: Sequence[Any]) -> list[tuple[Any, str]]:
+        """``(slot, what it is busy with)`` for each of ``slots`` whose worker still runs a
+        call recorded in ``table`` (:attr:`stuck` or :attr:`abandoned`)."""
         now = time.monotonic()
-        for slot in slots:
-            entry = self._live(self.abandoned, slot.server_id)
-            if entry is not None:
-                raise GroupBrokenError(
-                    f"cannot build {what} on {slot.address}: the worker is {entry.describe(now)}, and calls run "
-                    "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
-                    "on other workers (workers=...), wait for that call to end, give the build a deadline "
-                    "(with daskwg.deadline(s): ...) to wait behind it, or restart that worker "
-                    f"(client.restart_workers([{slot.address!r}]))"
-                )
+        entries = [(slot, self._live(table, slot.server_id)) for slot in slots]
+        return [(slot, entry.describe(now)) for slot, entry in entries if entry is not None]
