@@ -378,7 +378,9 @@ def test_a_task_path_call_on_a_worker_paused_by_rank_state_fails_within_the_boun
         assert _wait_for_status(client, "paused", 2) == ["paused", "paused"]
         assert wg.state_mib() == [480, 480]  # blocking calls reach paused workers
         # So do non-blocking ones: they travel on the same call streams, not as Dask tasks.
-        assert wg.add_one_async(DataProto.from_dict({"x": torch.zeros(4)})).get().batch["y"].tolist() == [1] * 4
+        assert (
+            wg.add_one_async(DataProto.from_dict({"x": torch.zeros(4)})).get().batch["y"].tolist() == [1] * 4
+        )
         assert client.gather(wg.state_mib_async()) == [480, 480]
         # A call taking a future no group call made is a Dask task: it cannot start there.
         future = wg.numel_async(scattered)

@@ -33,7 +33,6 @@ import os
 import pickle
 import threading
 import time
-import traceback
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,7 +49,7 @@ from ..metrics import CallMetrics, payload_nbytes
 from ..wire import PLUGIN_NAME, Call
 from . import rows, stream
 from .calls import CallTable, status_records
-from .exceptions import picklable, rank_error, with_message
+from .exceptions import earlier_process_error, picklable, rank_error, unpickling_error
 from .inputs import Inputs
 from .interfaces import socket_ifname_env
 from .ports import reserve_port
@@ -157,12 +156,7 @@ class HostPlugin(WorkerPlugin):
             # from the old process, so queuing it would wait forever, and its group's
             # ranks are gone. Refused before it takes a place in the order.
             failed: ConcurrentFuture = ConcurrentFuture()
-            failed.set_exception(
-                GroupBrokenError(
-                    f"rank {call.rank} of group {call.group_name!r} was on an earlier process of the worker at "
-                    f"{self.address}, which restarted; its ranks are gone: build a new group"
-                )
-            )
+            failed.set_exception(earlier_process_error(call, self.address))
             return failed
         self.calls.queue(call)
         with self._hosted_lock:
@@ -240,13 +234,7 @@ class HostPlugin(WorkerPlugin):
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             # The call never reaches the host: give up its place in the order.
             self._sequencer.skip(call.session, call.seq)
-            hint = (
-                f"the arguments of {call.method!r} could not be unpickled on this worker: {exc}; the workers "
-                "must be able to import every class and function sent to them (install its module there)"
-            )
-            error = RankError(
-                call.rank, self.address, call.method, traceback.format_exc(), with_message(exc, hint)
-            )
+            error = unpickling_error(call, self.address, exc)
             if key is not None:
                 self.results.fail(key, error)
             return "error", None, error, None
@@ -345,12 +333,9 @@ class HostPlugin(WorkerPlugin):
         """This worker's memory figures, for messages about a paused worker: ``memory``
         (process bytes), ``memory_limit`` (bytes or ``None``), ``pause`` (the fraction
         of ``memory_limit`` above which it pauses, or ``False``)."""
-        manager = self.worker.memory_manager
-        return {
-            "memory": self.worker.monitor.get_process_memory(),
-            "memory_limit": manager.memory_limit,
-            "pause": manager.memory_pause_fraction,
-        }
+        manager, monitor = self.worker.memory_manager, self.worker.monitor
+        pause = manager.memory_pause_fraction
+        return {"memory": monitor.get_process_memory(), "memory_limit": manager.memory_limit, "pause": pause}
 
     def _handle_status(self) -> list[dict]:
         """One :func:`~daskwg.wire.status_record` per rank hosted here (``"idle"`` or
