@@ -135,7 +135,10 @@ class WorkerLostError(WorkerGroupError):
         msg = f"the worker hosting rank {self.rank} ({self.address}) was lost"
         if self.detail:
             msg += f": {self.detail}"
-        return msg + "; the group is broken: shut it down and build a new one"
+        return msg + (
+            "; the group is broken: wg.restart() brings it back on fresh worker processes (rebuilding its "
+            "ranks, whose state is lost), or shut it down and build a new one"
+        )
 
     def __reduce__(self):
         return (type(self), (self.rank, self.address, self.detail))

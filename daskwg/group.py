@@ -29,6 +29,7 @@ from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
 from .transport import GroupTransport
+from .transport.failures import fresh_error
 from .wire import RANK_ENV_KEYS, WIRE_FORMAT
 from .worker import ClassWithInitArgs
 
@@ -458,7 +459,7 @@ class WorkerGroup(BoundGroup):
             )
         self._transport.settle()
         if self._broken is not None:
-            raise self._broken
+            raise fresh_error(self._broken)
 
     def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
         return self._transport.send(method_name, ranks, payloads, **options)

@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -71,9 +72,17 @@ def test_worker_killed_during_a_blocking_call_raises_worker_lost(fresh_cluster4)
     assert info.value.address == wg.workers[1]
     assert wg.workers[1] in str(info.value)
     assert "its process was killed by signal 9 (SIGKILL)" in str(info.value), str(info.value)
+    assert "wg.restart()" in str(info.value)  # the way back, as well as a new group
     assert wg.is_broken
-    with pytest.raises(WorkerLostError, match="rank 1"):
-        wg.pid()
+    # Every later call raises the group's error afresh: its traceback does not grow with
+    # each call (a retrying loop would keep every earlier call's frames alive).
+    depths = []
+    for _ in range(4):
+        with pytest.raises(WorkerLostError, match="rank 1") as later:
+            wg.pid()
+        assert later.value is not info.value
+        depths.append(len(traceback.extract_tb(later.value.__traceback__)))
+    assert len(set(depths)) == 1, depths
     assert other.foo(x=1, y=2) == [5, 5]
     wg.shutdown()
 

@@ -10,6 +10,7 @@ group that are still running are recorded on the :class:`~daskwg.transport.drive
 from __future__ import annotations
 
 import asyncio
+import copy
 import pickle
 import threading
 import time
@@ -24,7 +25,7 @@ from .driver import AbandonedCall, Driver, GroupRanks, StuckCall
 __all__ = ["CallWatch", "FailureState", "Unsettled", "TRANSFER_ERRORS", "transfer_error"]
 
 #: Seconds a call whose connection dropped waits for the scheduler's or nanny's reason.
-_LOST_REASON_WAIT = 3.0
+_LOST_REASON_WAIT = 4.0
 
 #: What Dask raises when a result cannot be serialised on the worker or deserialised here.
 TRANSFER_ERRORS = (TypeError, pickle.PicklingError, pickle.UnpicklingError, AttributeError, ImportError)
@@ -227,13 +228,13 @@ class FailureState:
         if client.status == "running":
             return
         if self.broken is not None:
-            raise self.broken
+            raise fresh_error(self.broken)
         self.broken = GroupBrokenError(
             f"group {self.ranks.name!r} is broken: its client lost the scheduler at {client.scheduler.address} "
             f"(client status {client.status!r}); Dask workers close without a scheduler, so the ranks are "
             "gone: reconnect and build a new group"
         )
-        raise self.broken
+        raise fresh_error(self.broken)
 
     def reconnected(self) -> None:
         """The client reconnected to the scheduler (:meth:`Driver.check_reconnected`): the
@@ -254,7 +255,7 @@ class FailureState:
     def raise_if_lost(self, ranks: Sequence[int]) -> None:
         """Raise the group's :class:`WorkerLostError` if a worker of ``ranks`` is gone."""
         if isinstance(self.broken, WorkerLostError):
-            raise self.broken
+            raise fresh_error(self.broken)
         for rank in ranks:
             if self.ranks.is_lost(rank):
                 raise self.lost(rank)
@@ -263,7 +264,7 @@ class FailureState:
         """The group's error now that ``rank``'s worker is known to be gone (set once)."""
         slot = self.ranks.slots[rank]
         self.broken = self.broken or WorkerLostError(rank, slot.address, self.driver.lost[slot.server_id])
-        return self.broken
+        return fresh_error(self.broken)
 
     async def connection_lost(self, rank: int, exc: BaseException) -> WorkerGroupError:
         """The error of a call whose connection to ``rank``'s worker dropped: the worker is
@@ -274,7 +275,7 @@ class FailureState:
         )
         reason = self.driver.lost.setdefault(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
-        return self.broken or WorkerLostError(rank, slot.address, str(exc))
+        return fresh_error(self.broken) if self.broken else WorkerLostError(rank, slot.address, str(exc))
 
     async def _lost_reason(self, address: str, server_id: str, fallback: str) -> str:
         # A dropped connection comes before the scheduler's or the nanny's word on why
@@ -302,7 +303,7 @@ class FailureState:
         )
         reason = self.driver.lost.setdefault(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
-        return self.broken or WorkerLostError(call.rank, slot.address, reason)
+        return fresh_error(self.broken) if self.broken else WorkerLostError(call.rank, slot.address, reason)
 
     def await_loss_news(self, rank: int, seconds: float = 3.0) -> None:
         """A task cancelled by Dask (``client.restart()``, a retired worker) is followed
@@ -313,3 +314,14 @@ class FailureState:
             not self.ranks.is_lost(rank) and self.ranks.client.status == "running" and time.monotonic() < end
         ):
             time.sleep(0.02)
+
+
+def fresh_error(exc: BaseException) -> BaseException:
+    """``exc`` as a new object without a traceback (the same object where it cannot be
+    copied), to raise a group's stored error again: raising the stored object itself
+    would append each raise's frames to its traceback, and keep them alive, on every call
+    to a broken group."""
+    try:
+        return copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception class that does not rebuild from its args
+        return exc

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,11 @@ from distributed import Client, Future
 
 __all__ = ["removal_reason", "needs_exit_detail", "exit_detail", "fail_futures"]
 
-#: Seconds the driver waits for a Nanny to say how its worker process ended.
-EXIT_DETAIL_TIMEOUT = 1.0
+#: Seconds the driver waits for a Nanny to say how its worker process ended (it logs
+#: the death when it notices it, which on a loaded machine comes after the scheduler's
+#: removal event): asked again every ``_EXIT_DETAIL_POLL`` seconds until then.
+EXIT_DETAIL_TIMEOUT = 2.0
+_EXIT_DETAIL_POLL = 0.1
 
 _DEATH = re.compile(
     r"Worker process (\d+) (was killed by signal (\d+)|was killed by unknown signal|exited with status (\d+))"
@@ -87,11 +91,22 @@ async def exit_detail(rpc: Any, pid: int | None, timeout: float = EXIT_DETAIL_TI
     """How worker process ``pid`` ended, as its Nanny logged it (``rpc``: the Nanny's):
     ``"was killed by signal 9 (SIGKILL)"``, ``"exited with status 1"``; ``None`` if the
     Nanny does not say within ``timeout`` seconds."""
-    try:
-        logs = await asyncio.wait_for(rpc.get_logs(n=50), timeout)
-    except Exception:  # noqa: BLE001 - no Nanny, or one that is gone: the reason stays general
-        return None
-    for _, line in logs:  # newest first
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            logs = await asyncio.wait_for(rpc.get_logs(n=50), max(remaining, 0.05))
+        except Exception:  # noqa: BLE001 - no Nanny, or one that is gone: the reason stays general
+            return None
+        detail = _death_in(logs, pid)
+        if detail is not None or time.monotonic() + _EXIT_DETAIL_POLL >= deadline:
+            return detail
+        await asyncio.sleep(_EXIT_DETAIL_POLL)
+
+
+def _death_in(logs: Any, pid: int | None) -> str | None:
+    """The death of process ``pid`` in a Nanny's log lines (newest first), in words."""
+    for _, line in logs:
         match = _DEATH.search(str(line))
         if match is None or (pid is not None and int(match.group(1)) != pid):
             continue

@@ -10,7 +10,6 @@ rank raises ``WorkerLostError`` within a poll interval and a deadline raises
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 import traceback
@@ -27,7 +26,7 @@ from ..deadlines import Limit, current_limit
 from ..errors import CallTimeoutError, GroupBrokenError, RankError, WorkerGroupError
 from ..wire import Call
 from .driver import GroupRanks
-from .failures import TRANSFER_ERRORS, FailureState, transfer_error
+from .failures import TRANSFER_ERRORS, FailureState, fresh_error, transfer_error
 
 __all__ = ["Waiter", "timeout_error"]
 
@@ -342,7 +341,7 @@ class Waiter:
             # frames (and the futures they hold) on its traceback, keeping every future
             # of the call alive for as long as the client holds that state
             # (dask/distributed#8790): failed calls would never let go of their keys.
-            return _copied(exc)
+            return fresh_error(exc)
         tb = "".join(traceback.format_tb(future.traceback())) if future.traceback() else ""
         return RankError(rank if rank is not None else -1, address, method_name, tb, exc)
 
@@ -353,11 +352,3 @@ class Waiter:
         calls = [self.ranks.driver.call_of(f) for f in futures]
         method = next((c.method for c in calls if c is not None), "DataProtoFuture.get")
         return self.gather(futures, method, settings)
-
-
-def _copied(exc: BaseException) -> BaseException:
-    """``exc`` as a new object without a traceback (the same object where it cannot be copied)."""
-    try:
-        return copy.copy(exc)
-    except Exception:  # noqa: BLE001 - an exception class that does not rebuild from its args
-        return exc
