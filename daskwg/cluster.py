@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import dask.config
+from dask.utils import parse_timedelta
 from distributed import LocalCluster
 
 __all__ = ["local_cluster", "gpu_count"]
@@ -79,6 +80,32 @@ def _nest(key: str, value: Any) -> dict:
     return value
 
 
+#: Seconds a local cluster keeps the Nanny of a worker that left before closing it for good
+#: (instead of Dask's ``distributed.deploy.lost-worker-timeout``, 15 s, where that is lower).
+#: A Nanny restarts a process that died at once, and the timer starts then: on a loaded
+#: machine the new process (importing torch) can take longer than 15 s, and the cluster
+#: would stay a worker short, the group's ``wg.restart()`` waiting for it in vain.
+KEEP_NANNIES_S = 120.0
+_LOST_WORKER_TIMEOUT = "distributed.deploy.lost-worker-timeout"
+
+
+def _keep_nannies(cluster: Any) -> Any:
+    """``cluster`` (a ``SpecCluster``) keeping lost workers' Nannies :data:`KEEP_NANNIES_S`
+    seconds: the timeout is read when the scheduler reports the removal, in
+    ``_update_worker_status``, which this wraps on the instance."""
+    update = cluster._update_worker_status
+
+    def update_worker_status(op: str, msg: Any) -> Any:
+        current = parse_timedelta(dask.config.get(_LOST_WORKER_TIMEOUT, default="15s"), default="seconds")
+        if op != "remove" or (current is not None and current >= KEEP_NANNIES_S):
+            return update(op, msg)
+        with dask.config.set({_LOST_WORKER_TIMEOUT: f"{KEEP_NANNIES_S:g}s"}):
+            return update(op, msg)
+
+    cluster._update_worker_status = update_worker_status
+    return cluster
+
+
 def local_cluster(n_workers: int | None = None, **kwargs: Any):
     """Start a local Dask cluster suited to worker groups.
 
@@ -90,6 +117,10 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
     The worker processes ignore SIGINT: they share the driver's process group, so a
     Ctrl-C in its terminal would kill them too; the driver alone gets the
     ``KeyboardInterrupt`` and the ranks keep their state (as Ray's workers do).
+
+    The cluster keeps the Nanny of a worker whose process died for :data:`KEEP_NANNIES_S`
+    seconds (Dask: ``distributed.deploy.lost-worker-timeout``, 15 s), however long the
+    restarted process takes to start, so ``wg.restart()`` after a crash finds it.
 
     Args:
         n_workers: number of worker processes (default: one per GPU, or one per core
@@ -113,7 +144,7 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
                 kwargs.setdefault("n_workers", n_workers)
             kwargs["config"] = _worker_config(kwargs.get("config"))
             _with_sigint_preload(kwargs)
-            return LocalCUDACluster(**kwargs)
+            return _keep_nannies(LocalCUDACluster(**kwargs))
     kwargs.setdefault("processes", True)
     if kwargs["processes"]:
         kwargs["config"] = _worker_config(kwargs.get("config"))
@@ -121,4 +152,4 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
     kwargs.setdefault("threads_per_worker", 1)
     if n_workers is not None:
         kwargs["n_workers"] = n_workers
-    return LocalCluster(**kwargs)
+    return _keep_nannies(LocalCluster(**kwargs))

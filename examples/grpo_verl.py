@@ -25,6 +25,7 @@ in ``tests/verl_suite/requirements.txt``; ``tox -e demo-verl`` does both).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 
@@ -126,6 +127,12 @@ def build_groups(client, args) -> grpo.Groups:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Its own plot and checkpoints, beside grpo.py's (a --resume must not take the other's).
+    defaults = {"--out": "grpo_verl.png", "--checkpoint-dir": "grpo_verl_checkpoint"}
+    for option, name in defaults.items():
+        if not any(a == option or a.startswith(option + "=") for a in argv):
+            argv += [option, os.path.join("examples", "out", name)]
     args = grpo.parse_args(argv)
     if args.kill_worker_at_step is not None:
         raise SystemExit(

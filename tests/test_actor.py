@@ -4,6 +4,8 @@ its own process group (issue 8), on real worker processes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 import time
@@ -14,6 +16,7 @@ import torch
 from actor_workers import ActorWorker, ProcessGroupWorker, SignalWorker, StateWorker
 from conftest import CLICluster, process_cluster, wait_for_workers
 from distributed import Client
+from fault_workers import FaultWorker
 
 import daskwg
 from daskwg import (
@@ -327,6 +330,29 @@ def test_an_asynchronous_client_is_refused_saying_what_to_do_instead(cluster3):
         asyncio.run(main())
     assert "synchronous Client" in str(info.value)
     assert "asyncio.to_thread" in str(info.value)
+
+
+@pytest.mark.timeout(180)
+def test_a_local_cluster_keeps_the_nanny_of_a_killed_worker_however_long_its_restart_takes():
+    # Dask would close the Nanny of a worker not back within this (15 s by default, which a
+    # loaded machine's restart of a torch worker can exceed): the cluster a worker short.
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "0.5s"}),
+        daskwg.local_cluster(n_workers=2, dashboard_address=":0", worker_dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        wait_for_workers(client, 2)
+        wg = WorkerGroup(client, FaultWorker, world_size=2)
+        pid = wg.pid()[0]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            wg.pid()
+        time.sleep(2.0)  # well past the 0.5 s; the Nanny's new process is still starting
+        wait_for_workers(client, 2, timeout=60)
+        assert len(cluster.workers) == 2
+        wg.restart()
+        assert pid not in wg.pid()
+        wg.shutdown()
 
 
 # ---- 4. memory the rank holds ------------------------------------------------------------

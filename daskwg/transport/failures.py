@@ -144,8 +144,8 @@ class FailureState:
             self.broken = GroupBrokenError(
                 f"group {self.ranks.name!r} is broken: rank {unsettled.failed_rank} failed in "
                 f"{unsettled.method!r} while other ranks were still running it (e.g. waiting in a "
-                "collective); shut the group down and build a new one (restart the workers if their "
-                "threads stay stuck: client.restart())"
+                "collective): wg.restart() brings it back on fresh worker processes, or shut the group down "
+                "and build a new one (restart the workers if their threads stay stuck: client.restart())"
             )
 
     def unsettle(
