@@ -118,7 +118,7 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
     Ctrl-C in its terminal would kill them too; the driver alone gets the
     ``KeyboardInterrupt`` and the ranks keep their state (as Ray's workers do).
 
-    The cluster keeps the Nanny of a worker whose process died for :data:`KEEP_NANNIES_S`
+    The cluster keeps the Nanny of a worker whose process died for ``KEEP_NANNIES_S`` (120)
     seconds (Dask: ``distributed.deploy.lost-worker-timeout``, 15 s), however long the
     restarted process takes to start, so ``wg.restart()`` after a crash finds it.
 

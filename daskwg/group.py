@@ -28,8 +28,7 @@ from .install import check_versions, install_plugins, version_of
 from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
-from .transport import GroupTransport
-from .transport.failures import fresh_error
+from .transport import GroupTransport, fresh_error
 from .wire import RANK_ENV_KEYS, WIRE_FORMAT
 from .worker import ClassWithInitArgs
 

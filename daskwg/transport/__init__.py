@@ -22,7 +22,7 @@ this driver, and the worker runs calls strictly in that order whichever way they
 
 from .channel import Channel
 from .driver import Driver, GroupRanks
-from .failures import CallWatch, FailureState
+from .failures import CallWatch, FailureState, fresh_error
 from .group_transport import GroupTransport
 
-__all__ = ["Driver", "GroupRanks", "Channel", "CallWatch", "FailureState", "GroupTransport"]
+__all__ = ["Driver", "GroupRanks", "Channel", "CallWatch", "FailureState", "GroupTransport", "fresh_error"]
