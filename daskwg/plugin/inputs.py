@@ -151,9 +151,9 @@ class Inputs:
         try:
             resolved = tuple(self._walk(a, lazy_values, current, 0) for a in args)
             resolved_kwargs = {k: self._walk(v, lazy_values, current, 0) for k, v in kwargs.items()}
-        except WorkerGroupError:
-            raise  # the producer's own error, a lost worker, a released result
-        except Exception as exc:  # noqa: BLE001
+        except _FetchFailed as failed:
+            raise failed.error from None  # the producer's own error, a lost worker, a released result
+        except Exception as exc:  # noqa: BLE001 - building the input from its parts failed
             source = getattr(current[0], "source", "") or "an earlier call"
             raise RankError(
                 call.rank,
@@ -193,12 +193,23 @@ class Inputs:
         return lazy.spec(fetched)
 
     def _take(self, kind: str, value: Any) -> Any:
-        if isinstance(value, _Fetched):
-            return value.take()
-        if isinstance(value, ResultRef):  # a task-path call: fetched now
-            coro = self.info(value) if kind == wire.ROWS else self.value(value)
-            return sync(self.worker.loop, lambda: coro)
+        try:
+            if isinstance(value, _Fetched):
+                return value.take()
+            if isinstance(value, ResultRef):  # a task-path call: fetched now
+                coro = self.info(value) if kind == wire.ROWS else self.value(value)
+                return sync(self.worker.loop, lambda: coro)
+        except WorkerGroupError as exc:
+            raise _FetchFailed(exc) from None
         return value
+
+
+class _FetchFailed(Exception):
+    """Fetching a part failed with ``error`` (raised as it is, not blamed on building)."""
+
+    def __init__(self, error: WorkerGroupError) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _own_copy(stored: Any) -> Any:
