@@ -223,7 +223,7 @@ class HostPlugin(WorkerPlugin):
             ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
             ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
             for the driver); ``result`` the snapshot to send back (a blocking call's, or a
-            kept one of at most ``inline`` bytes), else ``None``.
+            kept one of at most ``inline`` bytes holding no tensors or arrays), else ``None``.
         """
         try:
             args = serialization.loads(payload)
@@ -269,7 +269,10 @@ class HostPlugin(WorkerPlugin):
         if key is None:
             return "OK", result.nbytes, None, result
         self.results.put(key, result)
-        return "OK", result.nbytes, None, result if result.nbytes <= inline else None
+        # Batches (results with tensors or arrays out of band) stay here: the data plane
+        # moves them worker to worker, never through the driver.
+        small = result.nbytes <= inline and not result.buffers
+        return "OK", result.nbytes, None, result if small else None
 
     async def _handle_stream(self, comm: Any) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""

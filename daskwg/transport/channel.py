@@ -24,10 +24,10 @@ class Channel:
     arguments (TLS included).
     """
 
-    def __init__(self, connection_args: dict):
+    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
         self.loop = asyncio.new_event_loop()
         self.pool = ConnectionPool(limit=256, connection_args=connection_args)
-        self.streams = CallStreams(connection_args)
+        self.streams = CallStreams(connection_args, epochs)
         self.loop.run_until_complete(self.pool.start())
 
     def run(self, coro: Any, *, fresh: bool = True) -> Any:

@@ -133,8 +133,11 @@ class Driver:
         self.closing: dict[str, str] = {}
         #: worker address -> ``(nanny address, pid)`` of the process watched there last.
         self.processes: dict[str, tuple[str | None, int | None]] = {}
+        #: server id -> times its heartbeat found it unreachable: call streams opened
+        #: before the last time are not reused (``CallStreams``).
+        self.stream_epochs: dict[str, int] = {}
         #: the results of this driver's non-blocking calls, and the streams they go on.
-        self.streams = CallStreams(client.connection_args)
+        self.streams = CallStreams(client.connection_args, self.stream_epochs)
         self.owned = Owned(client, self.streams)
 
     @classmethod
@@ -156,7 +159,7 @@ class Driver:
             return None
         channel = getattr(self.local, "channel", None)
         if channel is None:
-            channel = self.local.channel = Channel(self.client.connection_args)
+            channel = self.local.channel = Channel(self.client.connection_args, self.stream_epochs)
         return channel
 
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
@@ -210,6 +213,7 @@ class Driver:
             return
         self.lost[server_id] = reason
         self.suspects[server_id] = reason
+        self.stream_epochs[server_id] = self.stream_epochs.get(server_id, 0) + 1
         orphans = [f for f in self.inflight.pop(server_id, ()) if not f.done()]
         for future in orphans:
             entry = self.calls.get(future)

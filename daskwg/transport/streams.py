@@ -119,20 +119,36 @@ class CallStreams:
 
     Args:
         connection_args: the client's (``Client.connection_args``).
+        epochs: server id -> how many times the driver took that worker process as lost
+            while it may still be there (its heartbeat found it unreachable): a stream
+            opened before the last such verdict is closed and never reused, since its
+            connection may have died silently (a partition), however long TCP takes to say so.
     """
 
-    def __init__(self, connection_args: dict):
+    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
         self.connection_args = connection_args
+        self.epochs = {} if epochs is None else epochs
         self._streams: dict[tuple[str, str | None], _Stream] = {}
+        self._epoch: dict[tuple[str, str | None], int] = {}
 
     def _stream(self, address: str, server_id: str | None) -> _Stream:
         key = (address, server_id)
         stream = self._streams.get(key)
+        epoch = self.epochs.get(server_id, 0) if server_id is not None else 0
+        if stream is not None and self._epoch.get(key) != epoch:
+            stream.closed = True  # its calls fail as lost when its connection goes
+            stream.abort()
+            self._streams.pop(key, None)
+            stream = None
         if stream is None:
-            stream = self._streams[key] = _Stream(
-                address, self.connection_args, lambda: self._streams.pop(key, None)
-            )
+            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream))
+            self._streams[key] = stream
+            self._epoch[key] = epoch
         return stream
+
+    def _drop(self, key: tuple[str, str | None], stream: _Stream) -> None:
+        if self._streams.get(key) is stream:
+            del self._streams[key]
 
     async def send(
         self,
