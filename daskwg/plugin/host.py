@@ -269,9 +269,7 @@ class HostPlugin(WorkerPlugin):
         if key is None:
             return "OK", result.nbytes, None, result
         self.results.put(key, result)
-        # Batches (results with tensors or arrays out of band) stay here: the data plane
-        # moves them worker to worker, never through the driver.
-        small = result.nbytes <= inline and not result.buffers
+        small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
         return "OK", result.nbytes, None, result if small else None
 
     async def _handle_stream(self, comm: Any) -> Any:
