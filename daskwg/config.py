@@ -42,6 +42,11 @@ class Settings:
         max_queued_calls: unfinished task-path calls per worker before the next one waits.
         scatter_above: argument bytes above which a task-path call's arguments go straight
             to the rank's worker.
+        inline_results: bytes up to which a non-blocking call's result also comes back
+            with its reply (it stays on the worker too); never one holding tensors or arrays.
+        relay_above: bytes above which a result several ranks of one call take whole is
+            relayed between them (results of unknown size are).
+        relay_wait: seconds a relaying rank waits for its next consumer to ask.
         skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
         check_process_group: groups built now refuse a rank whose process holds another
             group's default process group.
@@ -60,6 +65,9 @@ class Settings:
     shutdown_timeout: float
     max_queued_calls: int
     scatter_above: int
+    inline_results: int
+    relay_above: int
+    relay_wait: float
     skip_signal_handlers: bool
     check_process_group: bool
     heartbeat_interval: float
@@ -82,6 +90,9 @@ class Settings:
             shutdown_timeout=float(config["shutdown-timeout"]),
             max_queued_calls=int(config["max-queued-calls"]),
             scatter_above=int(config["scatter-above"]),
+            inline_results=int(config["inline-results"]),
+            relay_above=int(config["relay-above"]),
+            relay_wait=float(config["relay-wait"]),
             skip_signal_handlers=bool(config["skip-signal-handlers"]),
             check_process_group=bool(config["check-process-group"]),
             heartbeat_interval=float(config["heartbeat-interval"]),

@@ -17,6 +17,7 @@ fetches just those rows from the workers holding them (``daskwg.plugin.rows``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from distributed import Future
 from tensordict import TensorDictBase
 
 from . import foreign
@@ -105,8 +107,19 @@ def materialize(
 
 
 def _default_gather(futures: list) -> list:
-    # direct: from the workers holding the parts, never forwarded by the scheduler.
-    return futures[0].client.gather(list(futures), direct=True)
+    # Each future's own result: a non-blocking call's comes straight from its worker
+    # (daskwg's CallFuture), not through the scheduler as client.gather's would.
+    futures = list(futures)
+
+    async def one(future: Any) -> Any:
+        if type(future) is Future:  # a plain Dask future: from the worker holding it too
+            return (await future.client._gather([future], direct=True))[0]
+        return await future._result()
+
+    async def results() -> list:
+        return list(await asyncio.gather(*map(one, futures)))
+
+    return futures[0].client.sync(results)
 
 
 def _as_key_list(keys: Any, name: str) -> list[str] | None:

@@ -37,6 +37,7 @@ import cloudpickle
 import numpy as np
 import torch
 from dask.sizeof import sizeof
+from distributed import Future
 from distributed.protocol import pickle as dask_pickle
 from distributed.protocol import to_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
@@ -53,6 +54,9 @@ __all__ = [
     "pack",
     "message_part",
     "unpack",
+    "unpacked_part",
+    "Deferred",
+    "NestedFutureError",
     "serialize_tensor",
     "deserialize_tensor",
     "install",
@@ -62,6 +66,13 @@ __all__ = [
 _INLINE_MAX = 1 << 20
 
 _packing = contextvars.ContextVar("daskwg_packing", default=False)
+# Set while a call's arguments are packed: a Dask future met there was not replaced by
+# a placeholder, and a rank could not use it (an uninitialised Future in rank code).
+_arguments = contextvars.ContextVar("daskwg_arguments", default=False)
+
+
+class NestedFutureError(TypeError):
+    """A Dask future sits where a call's arguments are not searched for futures."""
 
 
 class _QuietWhilePacking(logging.Filter):
@@ -108,6 +119,8 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
         return _rebuild_dataproto, (kind, obj.batch, obj.non_tensor_batch, obj.meta_info)
     if kind is np.ndarray and private is not None and obj.dtype != object and id(obj) not in private:
         return obj.copy().__reduce_ex__(5)
+    if _arguments.get() and isinstance(obj, Future):
+        raise NestedFutureError(f"a Dask future ({obj.key!r}) inside a {kind.__module__}.{kind.__qualname__}")
     return NotImplemented
 
 
@@ -188,26 +201,45 @@ def _names_by_value_module(header: bytes) -> bool:
     )
 
 
-def dumps(obj: Any) -> Packed:
+def dumps(obj: Any, *, arguments: bool = False) -> Packed:
     """Pickle ``obj`` with every tensor as its own bytes in an out-of-band buffer.
 
     The buffers share memory with the tensors (no copy for contiguous CPU tensors):
     the value must not change until the ``Packed`` is sent. Use :func:`snapshot` for
     values that may.
 
+    Args:
+        arguments: ``obj`` is a call's arguments, from which the futures the ranks resolve
+            were taken out: any Dask future left in it raises :class:`NestedFutureError`.
     Raises:
+        NestedFutureError: see ``arguments``.
         whatever pickling raises for an object that cannot be pickled.
     """
     if isinstance(obj, Packed):
         return obj
-    return _dump(obj, None)
+    if not arguments:
+        return _dump(obj, None)
+    token = _arguments.set(True)
+    try:
+        return _dump(obj, None)
+    finally:
+        _arguments.reset(token)
 
 
 def loads(packed: Packed, *, copy: bool = False) -> Any:
     """The value of a :class:`Packed`; ``copy=True`` gives it its own memory (a
-    receiver that may change it in place must not change the stored value)."""
-    buffers = [bytearray(b) for b in packed.buffers] if copy else packed.buffers
+    receiver that may change it in place must not change the stored value), allocated
+    by numpy, which asks for huge pages for large buffers: a copy into them costs a
+    fraction of one into fresh 4 KiB pages."""
+    buffers = [_copy_buffer(b) for b in packed.buffers] if copy else packed.buffers
     return pickle.loads(packed.header, buffers=buffers)
+
+
+def _copy_buffer(buffer: Any) -> np.ndarray:
+    view = memoryview(buffer).cast("B")
+    out = np.empty(view.nbytes, dtype=np.uint8)
+    out[:] = view
+    return out
 
 
 # --------------------------------------------------------------------- snapshots
@@ -356,28 +388,51 @@ def pack(obj: Any) -> dict:
     return message_part(dumps(obj))
 
 
+class Deferred:
+    """A :class:`Packed` in a comm message that arrives as a :class:`Packed` (its frames, as
+    received): it is unpickled by daskwg where the message is handled, so a class the
+    receiver cannot import fails there, naming the call, instead of inside Dask's comm
+    layer (where it would break the connection the message came on)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Packed):
+        self.packed = packed
+
+
 def message_part(packed: Packed) -> dict:
     """``packed`` as one part of a comm message, without pickling it again.
 
     Values without buffers (no tensors or arrays) that pickled to at most 1 MiB travel
     inline as bytes: Dask's generic serialisation costs about half a millisecond per
-    object on each side, most of a small call's time. Anything else goes through
-    ``to_serialize``, whose frames cross without copies.
+    object on each side, most of a small call's time. Anything else goes as its frames
+    (:class:`Deferred`), which cross without copies.
 
     Returns:
-        ``{"pickled": bytes}`` or ``{"serialized": Serialize}``; :func:`unpack` reverses it.
+        ``{"pickled": bytes}`` or ``{"packed": Serialize}``; :func:`unpack` reverses it.
     """
     if packed.buffers or len(packed.header) > _INLINE_MAX:
-        return {"serialized": to_serialize(packed)}
+        return {"packed": to_serialize(Deferred(packed))}
     return {"pickled": packed.header}
 
 
 def unpack(part: dict) -> Any:
-    """The object :func:`pack` encoded (the comm layer already deserialised frames)."""
+    """The object :func:`pack` encoded (the comm layer already received its frames)."""
     if "pickled" in part:
         return pickle.loads(part["pickled"])
+    if "packed" in part:
+        return loads(part["packed"])
     value = part["serialized"]
     return loads(value) if isinstance(value, Packed) else value
+
+
+def unpacked_part(part: dict) -> Packed:
+    """The :class:`Packed` of a message part, without unpickling it."""
+    if "pickled" in part:
+        return Packed(part["pickled"], [])
+    if "packed" in part:
+        return part["packed"]
+    return dumps(part["serialized"])
 
 
 # --------------------------------------------------------------------- Dask registrations
@@ -389,6 +444,14 @@ def _serialize_packed(packed: Packed) -> tuple[dict, list]:
 
 def _deserialize_packed(header: dict, frames: list) -> Any:
     return pickle.loads(frames[0], buffers=list(frames[1:]))
+
+
+def _serialize_deferred(deferred: Deferred) -> tuple[dict, list]:
+    return _serialize_packed(deferred.packed)
+
+
+def _deserialize_deferred(header: dict, frames: list) -> Packed:
+    return Packed(frames[0], list(frames[1:]))
 
 
 def serialize_tensor(t: torch.Tensor) -> tuple[dict, list]:
@@ -440,6 +503,8 @@ def install() -> None:
     dask_deserialize.register(torch.Tensor)(deserialize_tensor)
     dask_serialize.register(Packed)(_serialize_packed)
     dask_deserialize.register(Packed)(_deserialize_packed)
+    dask_serialize.register(Deferred)(_serialize_deferred)
+    dask_deserialize.register(Deferred)(_deserialize_deferred)
     sizeof.register(torch.Tensor)(_sizeof_tensor)
     sizeof.register(TensorDictBase)(_sizeof_tensordict)
     sizeof.register(DataProto)(_sizeof_dataproto)

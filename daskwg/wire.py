@@ -8,9 +8,12 @@ scheduler unpickles every task it is given and must not need torch or daskwg for
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+from .errors import VersionMismatchError
 
 __all__ = [
     "WIRE_FORMAT",
@@ -23,13 +26,18 @@ __all__ = [
     "SCATTERED",
     "ROWS",
     "PARTS",
+    "VALUE",
     "Call",
     "LazyArg",
     "PartInfo",
+    "ResultRef",
     "task_key",
     "status_record",
     "session_id",
     "of_client",
+    "check_format",
+    "call_message",
+    "reply_message",
 ]
 
 #: The version of what crosses between the driver and the workers (the records and names
@@ -50,7 +58,11 @@ RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 #: ``MASTER_PORT``; ``daskwg_release`` destroys a departed driver's ranks;
 #: ``daskwg_memory`` the worker's memory figures; ``daskwg_progress`` the last finished
 #: call of a driver; ``daskwg_status`` the status records; ``daskwg_metrics`` the call
-#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part.
+#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part; ``daskwg_fetch``
+#: a stored result (waiting for it); ``daskwg_part_info`` a stored part's :class:`PartInfo`;
+#: ``daskwg_free`` drops stored results the driver let go of; ``daskwg_relay`` streams a
+#: stored or relayed result to the next consumer of a broadcast; ``daskwg_stream`` opens a
+#: driver's call stream (non-blocking calls and their replies on one comm).
 HANDLERS = (
     "daskwg_call",
     "daskwg_skip",
@@ -62,6 +74,11 @@ HANDLERS = (
     "daskwg_status",
     "daskwg_metrics",
     "daskwg_rows",
+    "daskwg_fetch",
+    "daskwg_part_info",
+    "daskwg_free",
+    "daskwg_relay",
+    "daskwg_stream",
 )
 
 #: ``"module:function"`` the task of a task-path call runs on the worker (``_daskwg_task.run``
@@ -78,9 +95,12 @@ SCATTERED = "scattered"
 
 #: :class:`LazyArg` kinds: ``ROWS``, the rank fetches its rows of the parts itself (``spec``
 #: is the future's plan, the resolved values are the parts' :class:`PartInfo`); ``PARTS``,
-#: Dask resolved the parts themselves (``spec(values)`` builds the argument).
+#: the parts themselves (``spec(values)`` builds the argument); ``VALUE``, a plain future's
+#: value is the argument (``spec`` unused). Each resolved value is either what Dask resolved
+#: on the worker (the task path) or a :class:`ResultRef` the rank resolves itself.
 ROWS = "rows"
 PARTS = "parts"
+VALUE = "value"
 
 
 @dataclass(frozen=True)
@@ -113,7 +133,17 @@ class Call:
 
     def to_wire(self) -> tuple:
         """The fields as a plain tuple (what messages and tasks carry); ``Call(*t)`` rebuilds it."""
-        return astuple(self)
+        # Not dataclasses.astuple: it deep-copies every field, on every call of every rank.
+        return (
+            self.session,
+            self.seq,
+            self.group_id,
+            self.group_name,
+            self.rank,
+            self.method,
+            self.owner,
+            self.worker_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -171,6 +201,59 @@ def of_client(session: str, client_id: str) -> bool:
     return session == client_id or session.startswith(client_id + "#")
 
 
+@dataclass(frozen=True)
+class ResultRef:
+    """A result of a non-blocking call, stored on its rank's worker under a key the driver
+    owns: what a consuming rank (or the driver) needs to fetch it there, worker to worker.
+
+    Attributes:
+        key: the result's key (a Dask key the scheduler learns once the result exists).
+        address: the worker holding it (the producing rank's).
+        session: the producing call's driver session, with ``seq`` its place in that
+            worker's order: a fetch that arrives before the call tells "not yet" from "gone".
+        seq: see ``session``.
+        rank: the producing rank.
+        source: the producing call, e.g. ``"gen.generate (rank 0)"``: blamed if building fails.
+        via: fetch it from this worker instead (the previous consumer of a relayed broadcast),
+            falling back to ``address`` if that fails; ``None``: from ``address``.
+        relays: how many consumers fetch it from this consumer's worker next (a relay chain:
+            0 or 1); the rank uses its copy in place once they have it.
+    """
+
+    key: str
+    address: str
+    session: str
+    seq: int
+    rank: int = -1
+    source: str = ""
+    via: str | None = None
+    relays: int = 0
+
+
+def call_message(
+    call: Call, header: bytes, key: str | None, inline: int, relay_wait: float, refs: bytes | None
+) -> tuple:
+    """One call on a call stream (``daskwg.frames``), the arguments' buffers beside it:
+    ``("call", id, call fields, arguments' pickle header, key, inline, relay_wait, refs)``.
+
+    ``key``: where a non-blocking call's result stays (``None``: a blocking call, whose
+    reply carries the result); ``inline``: bytes up to which a kept result comes back too;
+    ``relay_wait``: ``daskwg.relay-wait``; ``refs``: the pickled ``(kind, values)`` of each
+    ``LazyArg`` (``None``: none). The id is the stream's to set.
+    """
+    return ("call", 0, call.to_wire(), header, key, inline, relay_wait, refs)
+
+
+def reply_message(
+    cid: int, status: str, nbytes: int | None, error: bytes | None, header: bytes | None
+) -> tuple:
+    """The reply to call ``cid`` on a call stream, the result's buffers beside it:
+    ``("reply", id, status, nbytes, error, result header)``: ``status`` is ``"OK"``,
+    ``"error"`` (``error``: the pickled exception) or ``"cancelled"``; ``nbytes`` the kept
+    result's size; ``header``: the result's pickle header when the result comes with it."""
+    return ("reply", cid, status, nbytes, error, header)
+
+
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:
     """The Dask key of a task-path call: ``"<group>.<method>-<call>-r<rank>-<id8>"``, as the
     dashboard shows it (the group's name, its method, the driver's call number, the rank
@@ -210,3 +293,25 @@ def status_record(
         "seq": None if call is None else call.seq,
         "cancelled": cancelled,
     }
+
+
+def check_format(payload: dict, call: Call) -> None:
+    """Refuse to build a rank for a driver that speaks another wire format than
+    :data:`WIRE_FORMAT` (``payload``: the ``__init__`` call's, with the driver's ``"wire"``
+    and ``"daskwg"`` version).
+
+    Raises:
+        VersionMismatchError: naming both formats and both daskwg versions.
+    """
+    theirs = payload.get("wire")
+    if theirs == WIRE_FORMAT:
+        return
+    try:
+        mine = importlib.metadata.version("daskwg")
+    except importlib.metadata.PackageNotFoundError:
+        mine = None
+    raise VersionMismatchError(
+        f"cannot build rank {call.rank} of group {call.group_name!r}: the driver speaks daskwg wire format "
+        f"{theirs} (daskwg {payload.get('daskwg')}), this worker wire format {WIRE_FORMAT} (daskwg {mine}); "
+        "install the same daskwg wheel in the driver's and every worker's environment"
+    )

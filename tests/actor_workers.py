@@ -114,6 +114,10 @@ class StateWorker(Worker):
     def add_one_async(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"y": data.batch["x"] + 1})
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def numel_async(self, values: list) -> int:
+        return len(values)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def grow(self, mib: int) -> int:
         self.more = torch.ones(mib * 2**20, dtype=torch.uint8)

@@ -385,7 +385,7 @@ def _wait_for_status(client: Client, status: str, n: int, timeout: float = 60) -
         time.sleep(0.2)
 
 
-def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_the_figures():
+def test_a_task_path_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_the_figures():
     memory = {
         "distributed.worker.memory.pause": 0.5,
         "distributed.worker.memory.target": False,
@@ -397,16 +397,24 @@ def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_t
         dask.config.set(memory),
         process_cluster(2, memory_limit="1GiB") as cluster,
         Client(cluster) as client,
-        WorkerGroup(client, ClassWithInitArgs(StateWorker, mib=480), world_size=2) as wg,
     ):
+        # A future no group call made, on every worker while they still accept data.
+        (scattered,) = client.scatter([[0, 0, 0, 0]], broadcast=True)
+        wg = WorkerGroup(client, ClassWithInitArgs(StateWorker, mib=480), world_size=2)
         assert _wait_for_status(client, "paused", 2) == ["paused", "paused"]
         assert wg.state_mib() == [480, 480]  # blocking calls reach paused workers
-        future = wg.add_one_async(DataProto.from_dict({"x": torch.zeros(4)}))
+        # So do non-blocking ones: they travel on the same call streams, not as Dask tasks.
+        assert (
+            wg.add_one_async(DataProto.from_dict({"x": torch.zeros(4)})).get().batch["y"].tolist() == [1] * 4
+        )
+        assert client.gather(wg.state_mib_async()) == [480, 480]
+        # A call taking a future no group call made is a Dask task: it cannot start there.
+        future = wg.numel_async(scattered)
         with pytest.raises(WorkerPausedError) as info:
-            future.get()
+            daskwg.get(future)
         error = info.value
         assert error.rank in (0, 1) and error.address == wg.workers[error.rank]
-        assert error.method == "add_one_async"
+        assert error.method == "numel_async"
         assert error.memory_limit == 2**30 and error.pause_fraction == 0.5
         assert error.memory > 2**29
         for part in (
@@ -416,11 +424,11 @@ def test_a_call_on_a_worker_paused_by_rank_state_fails_within_the_bound_naming_t
             "512.00 MiB",
         ):
             assert part in str(error)
-        # Plain Dask futures of a non-blocking call end too, with the same error.
-        futures = wg.state_mib_async()
+        # Its plain Dask futures end too, with the same error.
         with pytest.raises(WorkerPausedError, match="did not start there"):
-            client.gather(futures)
+            client.gather(wg.numel_async(scattered))
         assert wg.state_mib() == [480, 480]  # the cancelled calls gave up their places
+        wg.shutdown()
 
 
 def test_a_worker_its_nanny_restarts_for_memory_gives_worker_lost_saying_so():

@@ -217,6 +217,9 @@ def test_non_blocking_call_from_the_driver_keeps_the_batch_off_the_scheduler(pla
         assert not [w for w in caught if "large graph" in str(w.message)]
         assert held < MiB, held
         assert torch.equal(future.get().batch["x"], data.batch["x"])
+        # The results stay on the ranks' workers; the scheduler learns their keys (never
+        # their bytes) once something waits on them through Dask.
+        wait(future.futures, timeout=60)
         assert min(client.nbytes(summary=False)[f.key] for f in future.futures) >= 16 * MiB
     finally:
         producers.shutdown()

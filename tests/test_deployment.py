@@ -110,9 +110,9 @@ def test_a_worker_with_another_daskwg_and_torch_is_refused_naming_both_versions(
 def _speak_wire_format(number: int | None) -> None:
     """Make this worker's host answer as if it spoke wire format ``number`` (``None``: its own)."""
     from daskwg import wire
-    from daskwg.plugin import host
 
-    host.WIRE_FORMAT = wire.WIRE_FORMAT if number is None else number
+    own = wire.__dict__.setdefault("_own_wire_format", wire.WIRE_FORMAT)
+    wire.WIRE_FORMAT = own if number is None else number
 
 
 def test_a_worker_speaking_another_wire_format_refuses_to_build_the_rank(cli):

@@ -399,11 +399,14 @@ def test_a_call_waiting_on_a_paused_worker_warns_naming_it(caplog):
         dask_config({"daskwg.paused-warning": 0.5}),
     ):
         wg = WorkerGroup(client, FaultWorker, world_size=2)
+        # A future no group call made goes as a Dask task, which a paused worker never starts.
+        zero = client.scatter(0, broadcast=True)
         client.run(_pause, workers=[wg.workers[1]])
         time.sleep(0.5)
-        # Handlers still run while paused: the direct path is unaffected.
+        # Handlers still run while paused: the direct path, blocking or not, is unaffected.
         assert wg.echo(1) == [1, 1]
-        futures = wg.sleep_async(0)
+        assert wg._gather(wg.sleep_async(0), "sleep_async") == [0, 1]
+        futures = wg.sleep_async(zero)
         timer = threading.Timer(3, client.run, args=(_resume,), kwargs={"workers": [wg.workers[1]]})
         timer.start()
         with caplog.at_level(logging.WARNING, logger="daskwg.group"):

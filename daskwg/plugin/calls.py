@@ -9,15 +9,19 @@ queue, and the queue is only ever iterated over as a copy taken under the lock.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
+from collections.abc import Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import Call, of_client
+from ..wire import Call, of_client, status_record
+from .rank_loop import task_stack
 
-__all__ = ["CallTable", "QueuedCall", "RunningCall"]
+__all__ = ["CallTable", "QueuedCall", "RunningCall", "status_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +149,47 @@ class CallTable:
     def forget_cancelled(self, call: Call) -> None:
         """Drop ``call`` from the cancelled calls (its task has ended)."""
         self._cancelled.discard((call.session, call.seq))
+
+
+def status_records(
+    calls: CallTable, hosted: Mapping[tuple[str, int], Any], last_errors: Mapping
+) -> list[dict]:
+    """What ``daskwg_status`` answers: one :func:`~daskwg.wire.status_record` per rank in
+    ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
+    call with its stack) and one per call queued for a rank; ``last_errors`` by the same keys."""
+    running = calls.running
+    queued = calls.queued()
+    # The same clock as the table's: a stepped wall clock (NTP, a VM resumed) must not turn
+    # a call's age negative or inflate it.
+    now = time.monotonic()
+    records = []
+    for (group_id, rank), h in hosted.items():
+        last_error = last_errors.get((group_id, rank))
+        if running is None or (running.call.group_id, running.call.rank) != (group_id, rank):
+            records.append(status_record(h.group_name, group_id, rank, "idle", last_error=last_error))
+            continue
+        call = running.call
+        frame = sys._current_frames().get(running.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+        task = h.rank_loop.current_task if h.rank_loop is not None else None
+        if task is not None:
+            # An async call: the host thread only waits; where the coroutine is matters.
+            stack = task_stack(task) or stack
+        records.append(
+            status_record(
+                h.group_name,
+                group_id,
+                rank,
+                "running",
+                call,
+                now - running.since,
+                stack,
+                last_error,
+                calls.was_cancelled(call),
+            )
+        )
+    for q in queued:
+        records.append(
+            status_record(q.call.group_name, q.call.group_id, q.call.rank, "queued", q.call, now - q.since)
+        )
+    return records

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pickle
 import traceback
 
-from ..errors import RankError, safe_str
+from ..errors import GroupBrokenError, RankError, safe_str
 from ..wire import Call
 
-__all__ = ["shippable", "picklable", "rank_error"]
+__all__ = ["shippable", "picklable", "rank_error", "unpickling_error", "earlier_process_error"]
 
 _DAEMONIC = "daemonic processes are not allowed to have children"
 _SIGNAL_THREAD = "signal only works in main thread"
@@ -62,6 +62,25 @@ def rank_error(call: Call, address: str, exc: BaseException) -> RankError:
     hint = runtime_hint(exc)
     return RankError(
         call.rank, address, call.method, traceback.format_exc(), with_message(exc, hint) if hint else exc
+    )
+
+
+def unpickling_error(call: Call, address: str, exc: BaseException) -> RankError:
+    """The :class:`RankError` of ``call`` whose arguments could not be unpickled on this
+    worker (``exc``, being handled now), saying what to install where."""
+    hint = (
+        f"the arguments of {call.method!r} could not be unpickled on this worker: {exc}; the workers "
+        "must be able to import every class and function sent to them (install its module there)"
+    )
+    return RankError(call.rank, address, call.method, traceback.format_exc(), with_message(exc, hint))
+
+
+def earlier_process_error(call: Call, address: str) -> GroupBrokenError:
+    """The error of ``call`` sent to the worker process that the one at ``address``
+    replaced (a restart): its ranks are gone with it."""
+    return GroupBrokenError(
+        f"rank {call.rank} of group {call.group_name!r} was on an earlier process of the worker at "
+        f"{address}, which restarted; its ranks are gone: build a new group"
     )
 
 

@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.metadata
 import logging
 import multiprocessing
 import os
-import socket
-import sys
+import pickle
 import threading
 import time
-import traceback
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,18 +42,22 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from .. import serialization  # serialization also installs the tensor serializer in workers
+from .. import serialization, wire  # serialization also installs the tensor serializer in workers
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
 from ..metrics import CallMetrics, payload_nbytes
-from ..wire import PLUGIN_NAME, WIRE_FORMAT, Call, status_record
-from . import rows
-from .calls import CallTable
-from .exceptions import picklable, rank_error, with_message
+from ..wire import PLUGIN_NAME, Call
+from . import rows, stream
+from .calls import CallTable, status_records
+from .exceptions import earlier_process_error, picklable, rank_error, unpickling_error
+from .inputs import Inputs
 from .interfaces import socket_ifname_env
+from .ports import reserve_port
 from .process_group import ProcessGroups
-from .rank import HostedRank, ProcessEnv, resolve_inputs, snapshot, strip_padding
-from .rank_loop import install_signal_shim, rank_thread, task_stack
+from .rank import HostedRank, ProcessEnv, snapshot, strip_padding
+from .rank_loop import install_signal_shim, rank_thread
+from .relay import Relays
+from .results import ResultStore
 from .sequencer import Sequencer
 
 __all__ = ["HostPlugin"]
@@ -96,8 +97,15 @@ class HostPlugin(WorkerPlugin):
         self.calls = CallTable()
         self._last_error: dict[tuple[str, int], str] = {}
         self._metrics = CallMetrics()
+        #: results of non-blocking calls, kept here under keys their driver owns.
+        self.results = ResultStore(worker, self._sequencer.seen)
+        relays = Relays(worker, self.results)
+        self._inputs = Inputs(worker, self.results, relays)
+        self.results.install()
+        relays.install()
         handlers = {
             "daskwg_call": self._handle_call,
+            "daskwg_stream": self._handle_stream,
             "daskwg_skip": self._handle_skip,
             "daskwg_cancel": self._handle_cancel,
             "daskwg_reserve_port": self._handle_reserve_port,
@@ -108,7 +116,7 @@ class HostPlugin(WorkerPlugin):
             "daskwg_metrics": self._handle_metrics,
         }
         worker.handlers.update(handlers)
-        rows.install(worker)
+        rows.install(worker, self.results.get)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -130,33 +138,35 @@ class HostPlugin(WorkerPlugin):
 
     # ---- entry points ----------------------------------------------------------------
 
-    def enqueue(self, call: Call, payload: Any, lazy_values: list | None = None) -> ConcurrentFuture:
+    def enqueue(
+        self, call: Call, payload: Any, lazy_values: list | None = None, *, boxed: bool = False
+    ) -> ConcurrentFuture:
         """Queue ``call`` for the host thread; returns a future of its (snapshotted) result.
 
         Args:
             call: the call.
             payload: ``(args, kwargs)``, or a life-cycle call's raw payload.
-            lazy_values: what Dask resolved for the call's ``LazyArg``\\ s (task path).
+            lazy_values: what stands for the call's ``LazyArg``\\ s (see ``daskwg.plugin.inputs``).
+            boxed: ``payload`` is a one-item list holding the only reference to the
+                arguments, which the host thread takes out: once the method returned they
+                are gone, so a result that shares their tensors is snapshotted without a copy.
         """
         if call.worker_id is not None and call.worker_id != self.worker.id:
             # Meant for the process this one replaced: its sequence numbers count on
             # from the old process, so queuing it would wait forever, and its group's
             # ranks are gone. Refused before it takes a place in the order.
             failed: ConcurrentFuture = ConcurrentFuture()
-            failed.set_exception(
-                GroupBrokenError(
-                    f"rank {call.rank} of group {call.group_name!r} was on an earlier process of the worker at "
-                    f"{self.address}, which restarted; its ranks are gone: build a new group"
-                )
-            )
+            failed.set_exception(earlier_process_error(call, self.address))
             return failed
         self.calls.queue(call)
         with self._hosted_lock:
             hosted = self._hosted.get((call.group_id, call.rank))
+        box = payload if boxed else [payload]
+        del payload
         result = self._sequencer.submit(
             call.session,
             call.seq,
-            lambda: self._execute_counted(call, payload, lazy_values),
+            lambda: self._execute_counted(call, box, lazy_values, boxed),
             outlives=hosted is not None and hosted.detached,
         )
         if result.done():  # refused at once: it never takes a place in the order
@@ -167,39 +177,104 @@ class HostPlugin(WorkerPlugin):
 
     # ---- comm handlers ---------------------------------------------------------------
 
-    async def _handle_call(self, call: tuple, payload: dict) -> dict:
-        """The direct path: run one call (``Call`` fields as a plain tuple, arguments
-        packed by :func:`daskwg.serialization.pack`) and reply with its packed result."""
-        call = Call(*call)
+    async def _handle_call(
+        self,
+        call: tuple,
+        payload: dict,
+        key: str | None = None,
+        refs: dict | None = None,
+        inline: int = 0,
+        relay_wait: float = 10.0,
+    ) -> dict:
+        """A call as a Dask request (``daskwg_call``): :meth:`run` it and reply with
+        ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
+        ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
+        send calls on call streams (``daskwg_stream``); this serves what else sends one."""
+        status, nbytes, error, result = await self.run(
+            Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
+        )
+        if status != "OK":
+            return {"status": status, "exception": to_serialize(error)}
+        reply: dict = {"status": "OK", "nbytes": nbytes}
+        if result is not None:
+            reply["result"] = serialization.message_part(result)
+        return reply
+
+    async def run(
+        self,
+        call: Call,
+        payload: serialization.Packed,
+        refs: Any,
+        key: str | None = None,
+        inline: int = 0,
+        relay_wait: float = 10.0,
+    ) -> tuple:
+        """Run one call that came straight to this worker (the direct path).
+
+        Args:
+            call: the call.
+            payload: its arguments, pickled (:func:`daskwg.serialization.dumps`).
+            refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
+                message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
+            key: a non-blocking call's: its result stays here under ``key``.
+            inline: bytes up to which a kept result is returned as well.
+            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+        Returns:
+            ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
+            ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
+            for the driver); ``result`` the snapshot to send back (a blocking call's, or a
+            kept one of at most ``inline`` bytes holding no tensors or arrays), else ``None``.
+        """
         try:
-            args = serialization.unpack(payload)
+            args = serialization.loads(payload)
+            del payload
+            if refs is not None:
+                refs = pickle.loads(refs) if isinstance(refs, bytes) else serialization.unpack(refs)
+            lazy = None if refs is None else self._inputs.prefetch(refs, relay_wait)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             # The call never reaches the host: give up its place in the order.
             self._sequencer.skip(call.session, call.seq)
-            hint = (
-                f"the arguments of {call.method!r} could not be unpickled on this worker: {exc}; the workers "
-                "must be able to import every class and function sent to them (install its module there)"
-            )
-            error = RankError(
-                call.rank, self.address, call.method, traceback.format_exc(), with_message(exc, hint)
-            )
-            return {"status": "error", "exception": to_serialize(error)}
-        cfut = self.enqueue(call, args)
+            error = unpickling_error(call, self.address, exc)
+            if key is not None:
+                self.results.fail(key, error)
+            return "error", None, error, None
+        if key is not None:
+            self.results.expect(key, call.session)
+        box = [args]
+        del args
+        cfut = self.enqueue(call, box, lazy, boxed=True)
+        del box, lazy
         try:
             result = await asyncio.wrap_future(cfut)
         except asyncio.CancelledError:
-            # This worker is closing (retired, restarted, scaled down, lost its
-            # scheduler): the driver sees the connection close and reports the
-            # worker lost, never a bare CancelledError.
-            raise
+            if not cfut.cancelled():
+                # This worker is closing (retired, restarted, scaled down, lost its
+                # scheduler): the driver sees the connection close and reports the
+                # worker lost, never a bare CancelledError.
+                raise
+            if key is not None:  # its future was cancelled before it ran
+                self.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
+            return "cancelled", None, None, None
         except BaseException as exc:  # noqa: BLE001
-            return {"status": "error", "exception": to_serialize(picklable(exc))}
-        try:
-            packed = serialization.pack(result)
-        except Exception as exc:  # noqa: BLE001 - a result the snapshot let through
-            error = RankError(call.rank, self.address, call.method, traceback.format_exc(), exc)
-            return {"status": "error", "exception": to_serialize(error)}
-        return {"status": "OK", "result": packed}
+            error = picklable(exc)
+            if key is not None:
+                self.results.fail(key, error)
+            if self.calls.was_cancelled(call):
+                self.calls.forget_cancelled(call)
+                return "cancelled", None, None, None
+            return "error", None, error, None
+        self.calls.forget_cancelled(call)
+        if not isinstance(result, serialization.Packed):
+            result = serialization.dumps(result)  # a life-cycle call's (None, True)
+        if key is None:
+            return "OK", result.nbytes, None, result
+        self.results.put(key, result)
+        small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
+        return "OK", result.nbytes, None, result if small else None
+
+    async def _handle_stream(self, comm: Any) -> Any:
+        """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
+        return await stream.serve(comm, self.run, self.results.free)
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
         """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as
@@ -231,7 +306,7 @@ class HostPlugin(WorkerPlugin):
 
     def _handle_reserve_port(self, port: int | None = None) -> int:
         """Reserve a ``MASTER_PORT`` on this host: ``port``, or a free one."""
-        return self._reserve_port(port)
+        return reserve_port(self.address, self._reserved_ports, port)
 
     def _handle_release(self, client: str) -> int:
         """Destroy the non-detached ranks owned by ``client`` (a driver that left)."""
@@ -249,6 +324,7 @@ class HostPlugin(WorkerPlugin):
             self._executor.submit(self._drop_process_group, group_id)
         self._sequencer.forget(client)
         self.calls.forget_session(client)
+        self.results.forget_session(client)
         if keys:
             logger.info("released %d rank(s) of driver %s", len(keys), client)
             gc.collect()
@@ -258,56 +334,16 @@ class HostPlugin(WorkerPlugin):
         """This worker's memory figures, for messages about a paused worker: ``memory``
         (process bytes), ``memory_limit`` (bytes or ``None``), ``pause`` (the fraction
         of ``memory_limit`` above which it pauses, or ``False``)."""
-        manager = self.worker.memory_manager
-        return {
-            "memory": self.worker.monitor.get_process_memory(),
-            "memory_limit": manager.memory_limit,
-            "pause": manager.memory_pause_fraction,
-        }
+        manager, monitor = self.worker.memory_manager, self.worker.monitor
+        pause = manager.memory_pause_fraction
+        return {"memory": monitor.get_process_memory(), "memory_limit": manager.memory_limit, "pause": pause}
 
     def _handle_status(self) -> list[dict]:
         """One :func:`~daskwg.wire.status_record` per rank hosted here (``"idle"`` or
         ``"running"``, the running call with its stack) and one per call queued for a rank."""
-        running = self.calls.running
         with self._hosted_lock:
             hosted = dict(self._hosted)
-        queued = self.calls.queued()
-        # The same clock as CallTable's: a stepped wall clock (NTP, a VM resumed) must not
-        # turn a call's age negative or inflate it.
-        now = time.monotonic()
-        records = []
-        for (group_id, rank), h in hosted.items():
-            last_error = self._last_error.get((group_id, rank))
-            if running is None or (running.call.group_id, running.call.rank) != (group_id, rank):
-                records.append(status_record(h.group_name, group_id, rank, "idle", last_error=last_error))
-                continue
-            call = running.call
-            frame = sys._current_frames().get(running.ident)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else None
-            task = h.rank_loop.current_task if h.rank_loop is not None else None
-            if task is not None:
-                # An async call: the host thread only waits; where the coroutine is matters.
-                stack = task_stack(task) or stack
-            records.append(
-                status_record(
-                    h.group_name,
-                    group_id,
-                    rank,
-                    "running",
-                    call,
-                    now - running.since,
-                    stack,
-                    last_error,
-                    self.calls.was_cancelled(call),
-                )
-            )
-        for q in queued:
-            records.append(
-                status_record(
-                    q.call.group_name, q.call.group_id, q.call.rank, "queued", q.call, now - q.since
-                )
-            )
-        return records
+        return status_records(self.calls, hosted, self._last_error)
 
     def _handle_metrics(self) -> dict:
         """Counters of the calls hosted here (:meth:`daskwg.metrics.CallMetrics.snapshot`),
@@ -328,20 +364,19 @@ class HostPlugin(WorkerPlugin):
             self._host_loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._host_loop)
 
-    def _execute_counted(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+    def _execute_counted(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
         t0 = time.perf_counter()
         ok = False
         try:
-            result = self._execute(call, payload, lazy_values)
+            result = self._execute(call, box, lazy_values, boxed)
             ok = True
         finally:
             self._metrics.record_call(call.group_name, call.method, ok, time.perf_counter() - t0)
         if call.method not in ("__init__", "__del__"):
-            self._metrics.record_bytes(call.group_name, "in", payload_nbytes((payload, lazy_values)))
             self._metrics.record_bytes(call.group_name, "out", payload_nbytes(result))
         return result
 
-    def _execute(self, call: Call, payload: Any, lazy_values: list | None) -> Any:
+    def _execute(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
         _bind_worker(self.worker)
         t0 = time.perf_counter()
         self.calls.start(call)
@@ -350,8 +385,8 @@ class HostPlugin(WorkerPlugin):
                 return self._destroy(call)
             self._ensure_host_loop()
             if call.method == "__init__":
-                return self._create(call, payload)
-            return self._invoke(call, payload, lazy_values)
+                return self._create(call, box[0])
+            return self._invoke(call, box, lazy_values, boxed)
         except RankError as exc:
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
             raise
@@ -382,7 +417,7 @@ class HostPlugin(WorkerPlugin):
         with self._hosted_lock:
             if key in self._hosted:
                 raise GroupBrokenError(f"rank {call.rank} of group {call.group_name!r} already exists here")
-        _check_wire(payload, call)
+        wire.check_format(payload, call)
         env = {**self._socket_env, **payload["env"]}
         skip_signals = bool(payload.get("skip_signal_handlers", False))
         check_pg = bool(payload.get("check_process_group", True))
@@ -448,12 +483,14 @@ class HostPlugin(WorkerPlugin):
             )
         return hosted
 
-    def _invoke(self, call: Call, payload: tuple, lazy_values: list | None) -> Any:
+    def _invoke(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
         hosted = self._lookup(call)
+        payload = box.pop() if boxed else box[0]
         args, kwargs = payload
         padding = 0
         if lazy_values is not None:
-            args, kwargs, padding = resolve_inputs(call, args, kwargs, lazy_values, self.worker)
+            args, kwargs, padding = self._inputs.resolve(call, args, kwargs, lazy_values)
+        self._metrics.record_bytes(call.group_name, "in", payload_nbytes((args, kwargs)))
         self._process_groups.check(call, hosted.world_size, hosted.check_process_group)
         self._env.apply(hosted.env)
         rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
@@ -461,50 +498,12 @@ class HostPlugin(WorkerPlugin):
             result = strip_padding(hosted.call(call, args, kwargs), padding)
         finally:
             self._process_groups.note(call, hosted.world_size)
+        if boxed:
+            # The arguments are gone now, unless the rank kept them: what the result
+            # shares with them is the rank's own.
+            del payload, args, kwargs
+            return snapshot(result, call, ())
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
-
-    def _reserve_port(self, port: int | None) -> int:
-        host = get_address_host(self.address)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        if port and port in self._reserved_ports:
-            # Reserved ports are not bound until init_process_group, so bind() below
-            # would not see that another group already has this one.
-            raise OSError(f"MASTER_PORT {port} is already used by another worker group on {host}")
-        for _ in range(64):
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port or 0))
-                except OSError as exc:
-                    if port:
-                        raise OSError(
-                            f"MASTER_PORT {port} is already in use on {host}: {exc.strerror}"
-                        ) from None
-                    raise
-                chosen = sock.getsockname()[1]
-            if port or chosen not in self._reserved_ports:
-                self._reserved_ports.add(chosen)
-                return chosen
-        raise OSError(f"could not find a free port on {host}")
-
-
-def _check_wire(payload: dict, call: Call) -> None:
-    """Refuse to build a rank for a driver that speaks another wire format.
-
-    Raises:
-        VersionMismatchError: naming both formats and both daskwg versions.
-    """
-    theirs = payload.get("wire")
-    if theirs == WIRE_FORMAT:
-        return
-    try:
-        mine = importlib.metadata.version("daskwg")
-    except importlib.metadata.PackageNotFoundError:
-        mine = None
-    raise VersionMismatchError(
-        f"cannot build rank {call.rank} of group {call.group_name!r}: the driver speaks daskwg wire format "
-        f"{theirs} (daskwg {payload.get('daskwg')}), this worker wire format {WIRE_FORMAT} (daskwg {mine}); "
-        "install the same daskwg wheel in the driver's and every worker's environment"
-    )
 
 
 def _bind_worker(worker: Any) -> None:

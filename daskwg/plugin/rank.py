@@ -1,31 +1,27 @@
 """One rank hosted in this worker: :class:`HostedRank` (the user's instance, its
-environment, running a call on it: resolving ``DataProtoFuture`` arguments, awaiting
-``async def`` methods on the rank's own loop, snapshotting the result) and
-:class:`ProcessEnv`, which gives every group sharing the process its own environment.
+environment, running a call on it: awaiting ``async def`` methods on the rank's own loop,
+snapshotting the result) and :class:`ProcessEnv`, which gives every group sharing the
+process its own environment. Arguments are built by ``daskwg.plugin.inputs``.
 
 Everything here runs on the host thread (``daskwg-host_0``), one call at a time.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDictBase
 
-from .. import serialization, wire
-from ..errors import RankError
-from ..futures import padding_of, rows_of
+from .. import serialization
+from ..futures import rows_of
 from ..protocol import DataProto, unpad_rows
-from ..wire import Call, LazyArg
-from . import rows
+from ..wire import Call
 from .rank_loop import RankLoop
 
-__all__ = ["HostedRank", "ProcessEnv", "resolve_inputs", "strip_padding", "snapshot"]
+__all__ = ["HostedRank", "ProcessEnv", "strip_padding", "snapshot"]
 
 
 class ProcessEnv:
@@ -114,46 +110,6 @@ class HostedRank:
         return result
 
 
-def resolve_inputs(call: Call, args: tuple, kwargs: dict, lazy_values: list, worker: Any) -> tuple:
-    """``(args, kwargs, padding)`` with every :class:`~daskwg.wire.LazyArg` built from what
-    Dask resolved for it; a failure here (parts that do not concatenate, say) is the
-    producing call's, and is blamed on it. ``padding``: the rows of padding that end this
-    rank's piece of a future cut by ``DP_COMPUTE_PROTO`` (:data:`daskwg.pieces.STRIP`),
-    which :func:`strip_padding` takes off the rank's output.
-
-    Raises:
-        RankError: naming the producing call and ``call``'s method.
-    """
-    current = None
-    try:
-        resolved_args = []
-        for a in args:
-            current = a
-            resolved_args.append(_resolve(a, lazy_values, worker))
-        resolved_kwargs = {}
-        for k, v in kwargs.items():
-            current = v
-            resolved_kwargs[k] = _resolve(v, lazy_values, worker)
-    except Exception as exc:  # noqa: BLE001
-        source = getattr(current, "source", "") or "an earlier call"
-        raise RankError(
-            call.rank,
-            worker.address,
-            f"{source}, whose output could not be built as the input of {call.method!r}",
-            traceback.format_exc(),
-            exc,
-        ) from None
-    padding = max(
-        (
-            padding_of(v.spec, [info.rows for info in lazy_values[v.index]])
-            for v in (*args, *kwargs.values())
-            if isinstance(v, LazyArg) and v.kind == wire.ROWS
-        ),
-        default=0,
-    )
-    return tuple(resolved_args), resolved_kwargs, padding
-
-
 def strip_padding(result: Any, padding: int) -> Any:
     """``result`` without its last ``padding`` rows, as the driver unpads a collected
     output (a DataProto or TensorDict with that many rows; anything else as it is)."""
@@ -162,34 +118,14 @@ def strip_padding(result: Any, padding: int) -> Any:
     return result
 
 
-def _resolve(value: Any, lazy_values: list, worker: Any) -> Any:
-    if not isinstance(value, LazyArg):
-        return value
-    values = lazy_values[value.index]
-    if value.kind == wire.ROWS:
-        return rows.evaluate_on_worker(value.spec, values, worker)
-    if len(values) == 1:
-        # A part produced on this worker arrives as the very object Dask keeps for
-        # its future: a method that changes its argument in place would change the
-        # future's value for every later reader. Several parts are concatenated,
-        # which copies them anyway.
-        only = values[0]
-        values = [
-            serialization.loads(only, copy=True)
-            if isinstance(only, serialization.Packed)
-            else copy.deepcopy(only)
-        ]
-    else:
-        values = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in values]
-    return value.spec(values)
-
-
 def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:
     """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
     a clear error now rather than inside Dask's comm layer later.
 
     ``result`` must be held by exactly one variable of the caller besides this
-    function's argument (the reference count tells what the rank still holds).
+    function's argument (the reference count tells what the rank still holds);
+    ``arguments``: the call's argument containers where they are still alive (the task
+    path), which refer to values without the rank holding them.
 
     Raises:
         TypeError: the result cannot be serialised (the message names the call).

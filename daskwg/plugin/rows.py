@@ -26,7 +26,7 @@ from ..futures import evaluate, rows_of, select_columns
 from ..protocol import DataProto
 from ..wire import PartInfo
 
-__all__ = ["part_info", "evaluate_on_worker", "install"]
+__all__ = ["part_info", "part_info_of", "evaluate_on_worker", "install"]
 
 
 def _stored(stored: Any) -> Any:
@@ -47,16 +47,21 @@ def part_info(value: Any, key: str) -> PartInfo:
         value: the part (a ``DataProto`` or ``TensorDict``, or its snapshot).
         key: the part's Dask key.
     """
+    return part_info_of(value, key, get_worker().address)
+
+
+def part_info_of(value: Any, key: str, address: str) -> PartInfo:
+    """The :class:`PartInfo` of part ``key`` (``value``, or its snapshot) held at ``address``."""
     value = _stored(value)
     foreign_class = foreign.class_name(type(value)) if foreign.is_verl_dataproto(value) else None
     value = foreign.to_native(value) if foreign_class is not None else value
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
-    return PartInfo(get_worker().address, key, rows_of(value), meta, foreign_class)
+    return PartInfo(address, key, rows_of(value), meta, foreign_class)
 
 
-def _slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
+def _slice(worker: Any, lookup: Any, key: str, start: int, stop: int, columns: Any) -> Any:
     try:
-        stored = worker.data[key]
+        stored = lookup(key)
     except KeyError:
         raise GroupBrokenError(
             f"the part {key!r} of a DataProtoFuture is no longer held by {worker.address}: it was released "
@@ -76,25 +81,27 @@ def _columns_of(msg: Any) -> Any:
     return None if msg is None else tuple(None if c is None else set(c) for c in msg)
 
 
-def install(worker: Any) -> None:
+def install(worker: Any, lookup: Any) -> None:
     """Install the ``daskwg_rows`` comm handler on ``worker`` (from the host plugin's setup):
     ``(key, start, stop, columns)`` -> rows ``[start, stop)`` of the part stored under
-    ``key``, sliced without copying, sent as the slice's own bytes."""
+    ``key`` (``lookup(key)``: the kept results', else the worker's data), sliced without
+    copying, sent as the slice's own bytes."""
 
     def handle_rows(key: str, start: int, stop: int, columns: Any = None) -> dict:
-        piece = _slice(worker, key, start, stop, _columns_of(columns))
+        piece = _slice(worker, lookup, key, start, stop, _columns_of(columns))
         return {"data": to_serialize(serialization.dumps(piece))}
 
     worker.handlers["daskwg_rows"] = handle_rows
 
 
-def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
+def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any) -> Any:
     """The value of a ``DataProtoFuture``'s plan for this rank, fetching only its rows.
 
     Args:
         plan: the future's plan (``DataProtoFuture.plan()[0]``).
         infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
+        lookup: ``key -> stored value`` of parts on this worker.
 
     Returns:
         a daskwg ``DataProto`` or ``TensorDict``; verl's ``DataProto`` when every part is one.
@@ -111,7 +118,7 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
     def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
         info = infos[part]
         if info.address == worker.address:
-            piece = sync(worker.loop, _local_slice, worker, info.key, start, stop, columns)
+            piece = sync(worker.loop, _local_slice, worker, lookup, info.key, start, stop, columns)
             # A view of the stored value: the rank must get rows of its own.
             return serialization.loads(serialization.dumps(piece), copy=True)
         response = sync(
@@ -131,5 +138,5 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any) -> Any:
     return foreign.from_native(value, cls)
 
 
-async def _local_slice(worker: Any, key: str, start: int, stop: int, columns: Any) -> Any:
-    return _slice(worker, key, start, stop, columns)
+async def _local_slice(worker: Any, lookup: Any, key: str, start: int, stop: int, columns: Any) -> Any:
+    return _slice(worker, lookup, key, start, stop, columns)

@@ -76,6 +76,13 @@ class Sequencer:
             self._release(state)
         return result
 
+    def seen(self, session: str, seq: int) -> bool:
+        """Whether call ``seq`` of driver ``session`` has reached this worker (it is queued,
+        ran, or its place was given up)."""
+        with self._lock:
+            state = self._sessions.get(session)
+            return state is not None and (seq < state.next_seq or seq in state.pending)
+
     def skip(self, session: str, seq: int) -> None:
         """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
         with self._lock:

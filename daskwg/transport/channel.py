@@ -7,6 +7,8 @@ from typing import Any
 
 from distributed.core import ConnectionPool
 
+from .streams import CallStreams
+
 __all__ = ["Channel"]
 
 
@@ -16,17 +18,22 @@ class Channel:
     Blocking direct calls run this loop in the calling thread itself
     (``loop.run_until_complete``) instead of handing the work to the client's loop
     thread and waiting for it (``client.sync``): two thread switches less per call,
-    which is most of a small call's cost on a busy machine. Comms are Dask's own,
-    with the client's connection arguments (TLS included).
+    which is most of a small call's cost on a busy machine. Calls go on the thread's
+    own call streams (:attr:`streams`); other requests (status reports) on its own
+    ``ConnectionPool`` (:attr:`pool`). Comms are Dask's own, with the client's connection
+    arguments (TLS included).
     """
 
-    def __init__(self, connection_args: dict):
+    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
         self.loop = asyncio.new_event_loop()
         self.pool = ConnectionPool(limit=256, connection_args=connection_args)
+        self.streams = CallStreams(connection_args, epochs)
         self.loop.run_until_complete(self.pool.start())
 
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(self._fresh(coro))
+    def run(self, coro: Any, *, fresh: bool = True) -> Any:
+        """Run ``coro`` on this loop; ``fresh=False``: it uses only :attr:`streams`, which
+        never reuse a closed connection, so the loop need not look at the pool's first."""
+        return self.loop.run_until_complete(self._fresh(coro) if fresh else coro)
 
     @staticmethod
     async def _fresh(coro: Any) -> Any:
@@ -41,6 +48,7 @@ class Channel:
         # The thread that owned this channel ended (its threading.local went away):
         # close its connections now rather than leave "dangling stream" warnings.
         try:
+            self.streams.abort_all()
             for comms in (*self.pool.available.values(), *self.pool.occupied.values()):
                 for comm in list(comms):
                     comm.abort()

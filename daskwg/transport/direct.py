@@ -1,25 +1,26 @@
-"""The direct path: blocking calls sent straight to the hosting workers' ``daskwg_call``
-handler over Dask's comm, like Dask actors: one round trip, no scheduler hop.
+"""The direct path: blocking calls sent straight to the hosting workers on call streams
+(``daskwg.transport.streams``), like Dask actors: one round trip, no scheduler hop.
 
 :meth:`DirectPath.send` runs on the calling thread's own event loop (a
-:class:`~daskwg.transport.channel.Channel`) or on the client's (``client.sync``); the
-payloads are already packed once (:func:`daskwg.serialization.dumps`).
+:class:`~daskwg.transport.channel.Channel`, with streams of its own) or on the client's
+(``client.sync``); the payloads are already packed once (:func:`daskwg.serialization.dumps`),
+and their buffers go out as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from typing import Any
 
-from distributed.comm.core import CommClosedError
-
-from .. import serialization
+from .. import serialization, wire
 from ..deadlines import Limit
-from ..errors import RankError, WorkerLostError
+from ..errors import GroupBrokenError, RankError, WorkerLostError
 from ..wire import Call
 from .driver import GroupRanks
 from .failures import TRANSFER_ERRORS, CallWatch, FailureState, transfer_error
+from .streams import CallStreams
 from .waiting import timeout_error
 
 __all__ = ["DirectPath"]
@@ -45,6 +46,7 @@ class DirectPath:
     async def send(
         self,
         pool: Any,
+        streams: CallStreams,
         calls: list[Call],
         payloads: list,
         grace: float,
@@ -52,13 +54,16 @@ class DirectPath:
         limit: Limit | None = None,
         status_timeout: float = 2.0,
         poll: float = 0.2,
+        refs: list | None = None,
+        relay_wait: float = 10.0,
     ) -> list:
         """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
 
         Args:
             pool: a Dask ``ConnectionPool``: the client's (on the client's event loop) or
                 the calling thread's own (``private``), which saves the two thread hops of
-                ``client.sync`` on every call.
+                ``client.sync`` on every call; for the deadline report's status requests.
+            streams: the :class:`~daskwg.transport.streams.CallStreams` of the same loop.
             calls: one :class:`~daskwg.wire.Call` per rank.
             payloads: per call, a :class:`~daskwg.serialization.Packed`.
             grace: seconds the other ranks get after one raised.
@@ -67,6 +72,8 @@ class DirectPath:
             status_timeout: seconds a worker gets to answer the deadline report's status request.
             poll: seconds between checks for a rank's worker taken as lost meanwhile
                 (``daskwg.poll-interval``).
+            refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s, or ``None``.
+            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
         Returns:
             the per-rank results, in the order of ``calls``.
         Raises:
@@ -75,7 +82,11 @@ class DirectPath:
             CallTimeoutError: ``limit`` passed.
         """
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(self._one(pool, c, p)) for c, p in zip(calls, payloads)]
+        refs = refs or [None] * len(calls)
+        tasks = [
+            asyncio.ensure_future(self._one(streams, c, p, r, relay_wait))
+            for c, p, r in zip(calls, payloads, refs)
+        ]
         lost = await self._wait(calls, tasks, limit, poll)
         for i in lost:
             # Its answer, if any, would come only after the partition: the call is given
@@ -139,30 +150,36 @@ class DirectPath:
             if lost or (limit is not None and limit.remaining() <= 0):
                 return lost
 
-    async def _one(self, pool: Any, call: Call, payload: serialization.Packed) -> Any:
+    async def _one(
+        self,
+        streams: CallStreams,
+        call: Call,
+        payload: serialization.Packed,
+        refs: list | None,
+        relay_wait: float,
+    ) -> Any:
         address = self.ranks.address(call.rank)
+        message = wire.call_message(
+            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
+        )
         try:
-            response = await pool(address).daskwg_call(
-                call=call.to_wire(), payload=serialization.message_part(payload)
-            )
-        except (CommClosedError, OSError) as exc:
+            reply, buffers = await streams.request(address, call.worker_id, message, payload.buffers)
+        except OSError as exc:  # the stream closed, or could not be opened
             raise await self.failures.connection_lost(call.rank, exc) from None
-        except TRANSFER_ERRORS as exc:
-            # The arguments could not be unpickled on the worker, or the result here:
-            # name the call instead of a bare Dask protocol error. If the call never
-            # reached the host, its place in the order must be given up, or every later
-            # call to this worker would wait behind it (skip is a no-op if it ran).
-            try:
-                await pool(address).daskwg_skip(session=call.session, seqs=[call.seq])
-            except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits then
-                pass
-            raise transfer_error(call.rank, address, call.method, exc) from None
         # A reply means the call has ended there (and, calls ending in order, every
         # earlier one of this driver): no later call waits behind those any more.
         self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
-        if response.get("status") != "OK":
-            raise await self.failures.response_error(call, response["exception"])
+        _, _, status, _, error, header = reply
         try:
-            return serialization.unpack(response["result"])
+            if status == "OK":
+                return serialization.loads(serialization.Packed(header, buffers))
+            exc = (
+                pickle.loads(error)
+                if error is not None
+                else GroupBrokenError(f"{call.method!r} was cancelled")
+            )
         except TRANSFER_ERRORS as exc:
+            # The result (or the error) could not be unpickled here: name the call instead
+            # of a bare unpickling error.
             raise transfer_error(call.rank, address, call.method, exc) from None
+        raise await self.failures.response_error(call, exc)

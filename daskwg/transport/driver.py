@@ -27,78 +27,14 @@ from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
 from ..wire import Call, session_id
 from . import losses
+from .calls import AbandonedCall, StuckCall, TaskCall
 from .channel import Channel
+from .owned import Owned
+from .streams import CallStreams
 
 __all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StuckCall:
-    """A rank's call still running after its group broke: nothing is queued behind it.
-
-    Attributes:
-        group_name: the broken group.
-        method: the call's method.
-        watch: has ``done()``: whether the call has ended on the rank.
-        since: ``time.monotonic()`` when the group broke with it running.
-        seq: its sequence number on that worker (-1: unknown).
-    """
-
-    group_name: str
-    method: str
-    watch: Any
-    since: float = 0.0
-    seq: int = -1
-
-    def describe(self, now: float) -> str:
-        return (
-            f"still stuck in {self.method!r} of the broken group {self.group_name!r} "
-            f"({now - self.since:.1f} s since it broke; a rank failed while this one waited, e.g. in a collective)"
-        )
-
-
-@dataclass(frozen=True)
-class AbandonedCall:
-    """A call the driver stopped waiting for (a deadline, Ctrl-C) that may still run.
-
-    Attributes:
-        group_name, method: the call.
-        watch: has ``done()``: whether the call has ended on the rank.
-        since: ``time.monotonic()`` when it was abandoned.
-        why: ``"deadline"`` or ``"interrupted"``.
-        seq: its sequence number on that worker (-1: unknown).
-    """
-
-    group_name: str
-    method: str
-    watch: Any
-    since: float
-    why: str
-    seq: int = -1
-
-    def describe(self, now: float) -> str:
-        by = "a deadline" if self.why == "deadline" else "Ctrl-C" if self.why == "interrupted" else self.why
-        return (
-            f"still busy with {self.method!r} of group {self.group_name!r}, abandoned by {by} "
-            f"{now - self.since:.1f} s ago and not finished there yet"
-        )
-
-
-@dataclass(frozen=True)
-class TaskCall:
-    """What the driver knows of one task-path future, for deadline reports and paused workers.
-
-    Attributes:
-        call: the call it stands for.
-        submitted: ``time.monotonic()`` when it was submitted.
-        paused_timeout: the call's ``daskwg.paused-timeout`` (seconds).
-    """
-
-    call: Call
-    submitted: float
-    paused_timeout: float
 
 
 @dataclass(frozen=True)
@@ -197,6 +133,12 @@ class Driver:
         self.closing: dict[str, str] = {}
         #: worker address -> ``(nanny address, pid)`` of the process watched there last.
         self.processes: dict[str, tuple[str | None, int | None]] = {}
+        #: server id -> times its heartbeat found it unreachable: call streams opened
+        #: before the last time are not reused (``CallStreams``).
+        self.stream_epochs: dict[str, int] = {}
+        #: the results of this driver's non-blocking calls, and the streams they go on.
+        self.streams = CallStreams(client.connection_args, self.stream_epochs)
+        self.owned = Owned(client, self.streams)
 
     @classmethod
     def of(cls, client: Client) -> Driver:
@@ -217,7 +159,7 @@ class Driver:
             return None
         channel = getattr(self.local, "channel", None)
         if channel is None:
-            channel = self.local.channel = Channel(self.client.connection_args)
+            channel = self.local.channel = Channel(self.client.connection_args, self.stream_epochs)
         return channel
 
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
@@ -271,6 +213,7 @@ class Driver:
             return
         self.lost[server_id] = reason
         self.suspects[server_id] = reason
+        self.stream_epochs[server_id] = self.stream_epochs.get(server_id, 0) + 1
         orphans = [f for f in self.inflight.pop(server_id, ()) if not f.done()]
         for future in orphans:
             entry = self.calls.get(future)
@@ -362,6 +305,14 @@ class Driver:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            # Results of non-blocking calls there fail as lost (their stream's close may
+            # come late: a worker removed by the scheduler can still hold it open).
+            owned = [f for f in orphans if self.owned.record(f) is not None]
+            orphans = [f for f in orphans if self.owned.record(f) is None]
+            self.owned.lost(
+                [f.key for f in owned], lambda rec: WorkerLostError(rec.call.rank, address, reason)
+            )
+            self.streams.forget(address)
             if orphans:
                 # A task pinned to a worker that is gone would wait forever ("no-worker"
                 # state) in a plain future.result(): it fails with WorkerLostError.
@@ -405,6 +356,7 @@ class Driver:
                     for f in list(self.inflight.get(sid, ()))
                     if not f.done()
                     and f in self.calls
+                    and self.owned.record(f) is None
                     and f.key not in self.paused_out
                     and now - max(since, self.calls[f].submitted) >= self.calls[f].paused_timeout
                 ]
@@ -508,16 +460,13 @@ class Driver:
         the stuck call returns (for a collective: its timeout, 30 min by default for
         gloo), which is a hang as far as the user can tell.
         """
-        now = time.monotonic()
-        for slot in slots:
-            entry = self._live(self.stuck, slot.server_id)
-            if entry is not None:
-                raise GroupBrokenError(
-                    f"cannot run {what} on {slot.address}: its host thread is {entry.describe(now)}, and calls "
-                    "run one at a time there. Wait for that call to end and retry, let the collective time out "
-                    "(pass a short timeout= to init_process_group), or restart that worker "
-                    f"(client.restart_workers([{slot.address!r}]))"
-                )
+        for slot, busy in self._busy(self.stuck, slots):
+            raise GroupBrokenError(
+                f"cannot run {what} on {slot.address}: its host thread is {busy}, and calls "
+                "run one at a time there. Wait for that call to end and retry, let the collective time out "
+                "(pass a short timeout= to init_process_group), or restart that worker "
+                f"(client.restart_workers([{slot.address!r}]))"
+            )
 
     def check_not_behind_abandoned(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to build a group's ranks, without a deadline, behind a call the driver
@@ -527,14 +476,18 @@ class Driver:
         Raises:
             GroupBrokenError: naming the call, its group and age, and what to do.
         """
+        for slot, busy in self._busy(self.abandoned, slots):
+            raise GroupBrokenError(
+                f"cannot build {what} on {slot.address}: the worker is {busy}, and calls run "
+                "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
+                "on other workers (workers=...), wait for that call to end, give the build a deadline "
+                "(with daskwg.deadline(s): ...) to wait behind it, or restart that worker "
+                f"(client.restart_workers([{slot.address!r}]))"
+            )
+
+    def _busy(self, table: dict, slots: Sequence[Any]) -> list[tuple[Any, str]]:
+        """``(slot, what it is busy with)`` for each of ``slots`` whose worker still runs a
+        call recorded in ``table`` (:attr:`stuck` or :attr:`abandoned`)."""
         now = time.monotonic()
-        for slot in slots:
-            entry = self._live(self.abandoned, slot.server_id)
-            if entry is not None:
-                raise GroupBrokenError(
-                    f"cannot build {what} on {slot.address}: the worker is {entry.describe(now)}, and calls run "
-                    "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
-                    "on other workers (workers=...), wait for that call to end, give the build a deadline "
-                    "(with daskwg.deadline(s): ...) to wait behind it, or restart that worker "
-                    f"(client.restart_workers([{slot.address!r}]))"
-                )
+        entries = [(slot, self._live(table, slot.server_id)) for slot in slots]
+        return [(slot, entry.describe(now)) for slot, entry in entries if entry is not None]

@@ -1,9 +1,12 @@
 """One group's transport: :class:`GroupTransport`, the facade ``daskwg.group`` calls.
 
-It picks the path of every call (the direct path for blocking calls whose arguments are
-all in the driver; the task path otherwise), gives each call its per-worker sequence
-numbers, and owns the group's failure state. Two ways to send, one order: the worker
-runs calls strictly in sequence-number order whichever way they came.
+It picks the path of every call: the direct path for blocking calls (``direct``) and the
+submit path for non-blocking ones (``submit``), both straight to the ranks' workers, with
+futures of earlier calls among the arguments fetched by the ranks themselves
+(``arguments``); the task path (``tasks``) only for calls taking futures no group call made,
+which Dask must resolve. It gives each call its per-worker sequence numbers and owns the
+group's failure state. Several ways to send, one order: the worker runs calls strictly in
+sequence-number order whichever way they came.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from ..config import Settings
 from ..deadlines import current_limit
 from ..errors import DispatchError, WorkerGroupError
 from ..wire import Call
+from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays
 from .direct import DirectPath
 from .driver import Driver, GroupRanks
 from .failures import FailureState
 from .heartbeat import Heartbeats
-from .tasks import TaskPath, extract_lazies
+from .submit import SubmitPath
+from .tasks import TaskPath
 from .waiting import Waiter
 
 __all__ = ["GroupTransport"]
@@ -64,6 +69,7 @@ class GroupTransport:
         self.ranks = GroupRanks(client, driver, tuple(slots), name, group_id, owner)
         self.failures = FailureState(self.ranks)
         self.direct = DirectPath(self.ranks, self.failures)
+        self.submit = SubmitPath(self.ranks, self.failures)
         self.tasks = TaskPath(self.ranks, keep_running=detached)
         self.waiter = Waiter(self.ranks, self.failures)
         settings = Settings.current()
@@ -177,12 +183,20 @@ class GroupTransport:
         lazies: list[list] = [[] for _ in ranks]
         keep: list = []
         if not raw_payload:
-            payloads = [extract_lazies(p, lz, self.tasks, keep) for p, lz in zip(payloads, lazies)]
+            payloads = [
+                extract_futures(p, lz, self.driver, self.tasks.part_info, keep)
+                for p, lz in zip(payloads, lazies)
+            ]
         # Packed before the call takes its place in the order: an argument that cannot be
         # pickled fails here, naming it, and no rank ever waits for a call that cannot arrive.
         packed = [_pack_arguments(method_name, p, raw_payload) for p in payloads]
-        direct = blocking and not any(lazies)
+        # Futures no group call made need Dask to resolve them: those calls go as tasks.
+        task_path = needs_dask(lazies)
         slots = [self.ranks.slots[r] for r in ranks]
+        if any(lazies) and not task_path:
+            records = self.driver.owned.records
+            sizes = {k: r.nbytes for k, r in records.items() if r.nbytes is not None}
+            plan_relays(lazies, [s.address for s in slots], sizes, settings.relay_above)
         limit = current_limit(timeout, settings.call_timeout)
         failures, driver = self.failures, self.driver
         if check:
@@ -190,7 +204,7 @@ class GroupTransport:
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
             self.check(method_name, ranks, limit)
         driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
-        if check and not direct:
+        if check and not blocking:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
         session, seqs = driver.numbered([s.server_id for s in slots])
         calls = [
@@ -207,41 +221,52 @@ class GroupTransport:
             for rank, seq, slot in zip(ranks, seqs, slots)
         ]
         grace = settings.rank_failure_grace if settle is None else settle
-        if direct:
-            channel = driver.channel()
-            try:
-                if channel is None:
-                    client = self.ranks.client
-                    return client.sync(
-                        self.direct.send,
-                        client.rpc,
-                        calls,
-                        packed,
-                        grace,
-                        False,
-                        limit,
-                        settings.status_timeout,
-                        settings.poll_interval,
-                    )
-                return channel.run(
-                    self.direct.send(
-                        channel.pool,
-                        calls,
-                        packed,
-                        grace,
-                        True,
-                        limit,
-                        settings.status_timeout,
-                        settings.poll_interval,
-                    )
+        if task_path:
+            values = [[v for _, v in lz] for lz in lazies]
+            futures = self.tasks.submit(calls, packed, values, keep, settings)
+            if blocking:
+                return self.waiter.gather(futures, method_name, settings, grace, limit=limit)
+            return futures
+        refs = [lz or None for lz in lazies]
+        if not blocking:
+            return self.submit.submit(calls, packed, refs, keep, settings)
+        channel = driver.channel()
+        try:
+            if channel is None:
+                client = self.ranks.client
+                return client.sync(
+                    self.direct.send,
+                    client.rpc,
+                    driver.streams,
+                    calls,
+                    packed,
+                    grace,
+                    False,
+                    limit,
+                    settings.status_timeout,
+                    settings.poll_interval,
+                    refs,
+                    settings.relay_wait,
                 )
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                failures.abandon_calls(calls, "interrupted")
-                raise
-        futures = self.tasks.submit(calls, packed, lazies, keep, settings)
-        if blocking:
-            return self.waiter.gather(futures, method_name, settings, grace, limit=limit)
-        return futures
+            return channel.run(
+                self.direct.send(
+                    channel.pool,
+                    channel.streams,
+                    calls,
+                    packed,
+                    grace,
+                    True,
+                    limit,
+                    settings.status_timeout,
+                    settings.poll_interval,
+                    refs,
+                    settings.relay_wait,
+                ),
+                fresh=False,
+            )
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            failures.abandon_calls(calls, "interrupted")
+            raise
 
     def gather(self, futures: list[Future], method_name: str) -> list:
         """:meth:`Waiter.gather` with the settings in force now."""
@@ -313,7 +338,7 @@ class GroupTransport:
         ]
         try:
             packed = [serialization.dumps(None)] * len(calls)
-            await self.direct.send(ranks.client.rpc, calls, packed, 0.0, False)
+            await self.direct.send(ranks.client.rpc, driver.streams, calls, packed, 0.0, False)
         except Exception as exc:  # noqa: BLE001 - best effort, nobody waits on it
             logger.info("group %s: releasing the dropped group's ranks failed: %s", ranks.name, exc)
         else:
@@ -324,7 +349,7 @@ def _pack_arguments(method: str, payload: Any, raw: bool) -> serialization.Packe
     """``serialization.dumps(payload)``, or a :class:`DispatchError` naming the argument
     that cannot be pickled (raised in the driver, before the call is sent anywhere)."""
     try:
-        return serialization.dumps(payload)
+        return serialization.dumps(payload, arguments=not raw)
     except Exception as exc:  # noqa: BLE001 - pickling raises anything
         cause = exc
     label, value = "the arguments", payload
@@ -334,11 +359,18 @@ def _pack_arguments(method: str, payload: Any, raw: bool) -> serialization.Packe
         labelled += [(f"argument {k!r}", v) for k, v in kwargs.items()]
         for candidate, candidate_value in labelled:
             try:
-                serialization.dumps(candidate_value)
+                serialization.dumps(candidate_value, arguments=True)
             except Exception as exc:  # noqa: BLE001
                 label, value, cause = candidate, candidate_value, exc
                 break
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(cause, serialization.NestedFutureError):
+        raise DispatchError(
+            f"cannot send {method!r} to its ranks: {label} holds {cause}, where the ranks cannot resolve it; "
+            "pass a future (or a DataProtoFuture) as an argument itself, or as an item of a list, tuple or "
+            f"dict argument (of at most {MAX_ITEMS} items), and each rank gets its value; or get the value "
+            "first with daskwg.get(future)"
+        ) from None
     raise DispatchError(
         f"cannot send {method!r} to its ranks: {label} (a {kind}) cannot be pickled "
         f"({type(cause).__name__}: {cause}); arguments must be data the workers can rebuild (tensors, "

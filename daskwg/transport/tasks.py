@@ -1,6 +1,7 @@
-"""The task path: calls that go as Dask tasks (non-blocking calls, and calls that take a
-``DataProtoFuture``), so that their results stay on the workers as Dask futures and
-futures passed to the next call move worker to worker.
+"""The task path: calls that take futures no group call made (``client.submit``,
+``client.scatter``: Dask must resolve them on the rank's worker), as Dask tasks whose results
+stay on the workers as Dask futures. Every other call goes straight to its workers
+(``direct``, ``submit``).
 
 Each call is one task pinned to its rank's worker (``workers=[address]``,
 ``allow_other_workers=False``, ``pure=False``, no retries), keyed
@@ -10,7 +11,7 @@ is ``_daskwg_task.run`` naming the worker-side function (:data:`daskwg.wire.RUN_
 its arguments are plain data (the call as a tuple, the arguments pickled once), and
 arguments over ``daskwg.scatter-above`` bytes are sent by the driver straight to the
 rank's worker (``client.scatter(..., workers=[address], direct=True)``) and referenced
-by key. A ``DataProtoFuture`` argument reaches a rank as one small
+by key. A ``DataProtoFuture`` argument's parts of that kind reach a rank as one small
 :class:`daskwg.wire.PartInfo` per part; the rank then fetches only its rows from the
 workers holding them.
 """
@@ -30,11 +31,10 @@ import _daskwg_task
 
 from .. import serialization, wire
 from ..config import Settings
-from ..futures import DataProtoFuture
-from ..wire import Call, LazyArg
+from ..wire import Call
 from .driver import GroupRanks, TaskCall
 
-__all__ = ["TaskPath", "extract_lazies"]
+__all__ = ["TaskPath"]
 
 
 def _hold(keep: tuple, future: Future) -> None:
@@ -156,26 +156,22 @@ class TaskPath:
         )
         return [s[name] for s, (name, _, _) in zip(scattered, items)]
 
-    def part_infos(self, future: DataProtoFuture) -> list[Future]:
-        """A :class:`~daskwg.wire.PartInfo` future for every part ``future`` reads, each
-        computed once, next to its part."""
+    def part_info(self, part: Future) -> Future:
+        """The future of a ``DataProtoFuture`` part's :class:`~daskwg.wire.PartInfo`, computed
+        once, next to the part (a Dask task: the part is a future no group call made)."""
         driver = self.ranks.driver
-        _, part_futures = future.plan()
-        infos = []
-        for part in part_futures:
-            key = str(part.key)
-            info = driver.part_infos.get(key)
-            if info is None or info.status in ("cancelled", "lost"):
-                info = self.submit_task(
-                    wire.PART_INFO,
-                    (part, key),
-                    f"{key}-rows-{next(driver.call_numbers)}",
-                    driver.placement.get(key),
-                )
-                driver.part_infos[key] = info
-                weakref.finalize(part, driver.part_infos.pop, key, None)
-            infos.append(info)
-        return infos
+        key = str(part.key)
+        info = driver.part_infos.get(key)
+        if info is None or info.status in ("cancelled", "lost"):
+            info = self.submit_task(
+                wire.PART_INFO,
+                (part, key),
+                f"{key}-rows-{next(driver.call_numbers)}",
+                driver.placement.get(key),
+            )
+            driver.part_infos[key] = info
+            weakref.finalize(part, driver.part_infos.pop, key, None)
+        return info
 
     def _skip_if_not_run(
         self, address: str, session: str, seq: int, server_id: str | None, future: Future
@@ -201,47 +197,3 @@ class TaskPath:
             await getattr(self.ranks.client.rpc(address), handler)(session=session, seqs=seqs)
         except Exception:  # noqa: BLE001 - the worker may be gone; nothing runs or waits there then
             pass
-
-
-def _source_of(driver: Any, futures: Sequence[Any]) -> str:
-    """``"group.method (ranks 0, 1)"``: the call that produced these futures."""
-    known = [c for c in map(driver.call_of, futures) if c is not None]
-    if not known:
-        return ""
-    ranks = ", ".join(str(c.rank) for c in known)
-    return f"{known[0].group_name}.{known[0].method} (ranks {ranks})"
-
-
-def extract_lazies(payload: tuple, lazies: list[list], task_path: TaskPath, keep: list) -> tuple:
-    """Replace ``DataProtoFuture`` arguments by :class:`~daskwg.wire.LazyArg` placeholders.
-
-    What the rank needs of them is appended to ``lazies`` (a list the Dask task takes
-    as an argument, so Dask resolves it on the worker): for a future that is a row
-    range, a union or otherwise transformed, one :class:`~daskwg.wire.PartInfo` future per
-    part, the rank fetching only its rows itself, and the parts' futures go to ``keep``;
-    for a single whole part, the part itself.
-
-    Raises:
-        ValueError: a transformed future whose parts are not plainly concatenated.
-    """
-    args, kwargs = payload
-    driver = task_path.ranks.driver
-
-    def swap(value: Any) -> Any:
-        if not isinstance(value, DataProtoFuture):
-            return value
-        whole_part = len(value.futures) == 1 and not (value.ops or value.rows is not None or value.pad_size)
-        if value.row_addressable and not whole_part:
-            plan, part_futures = value.plan()
-            lazies.append(task_path.part_infos(value))
-            keep.extend(part_futures)
-            return LazyArg(len(lazies) - 1, wire.ROWS, plan, _source_of(driver, part_futures))
-        if value.ops or value.rows is not None:
-            raise ValueError(
-                "union/select/repeat/rename/chunk need a DataProtoFuture whose parts are concatenated "
-                "(the default collect_fn) and no dispatch_fn"
-            )
-        lazies.append(list(value.futures))
-        return LazyArg(len(lazies) - 1, wire.PARTS, value.transform, _source_of(driver, value.futures))
-
-    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}

@@ -30,6 +30,19 @@ from .failures import TRANSFER_ERRORS, FailureState, fresh_error, transfer_error
 
 __all__ = ["Waiter", "timeout_error"]
 
+
+class _Done:
+    """``done()`` of a future as daskwg's waits see it (for the failure records)."""
+
+    __slots__ = ("_waiter", "future")
+
+    def __init__(self, waiter: Waiter, future: Any):
+        self._waiter, self.future = waiter, future
+
+    def done(self) -> bool:
+        return self._waiter.done(self.future)
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,6 +87,15 @@ class Waiter:
         self.ranks = ranks
         self.failures = failures
 
+    def status(self, future: Any) -> str:
+        """A future's status as daskwg's waits see it: a non-blocking call's result is
+        ``"finished"`` with the call's reply, before the scheduler has heard of it."""
+        rec = self.ranks.driver.owned.record(future)
+        return future.status if rec is None else rec.status
+
+    def done(self, future: Any) -> bool:
+        return self.status(future) not in ("pending", "lost", None)
+
     def rank_of(self, future: Any) -> int | None:
         """The rank a future of this driver's task-path calls stands for (``None``: unknown)."""
         call = self.ranks.driver.call_of(future)
@@ -110,7 +132,9 @@ class Waiter:
             return self._gather(futures, method_name, settings, grace, limit)
         except (KeyboardInterrupt, asyncio.CancelledError):
             pending = [
-                (r, f) for r, f in zip(map(self.rank_of, futures), futures) if r is not None and not f.done()
+                (r, f)
+                for r, f in zip(map(self.rank_of, futures), futures)
+                if r is not None and not self.done(f)
             ]
             self.failures.abandon(method_name, pending, "interrupted")
             raise
@@ -127,8 +151,8 @@ class Waiter:
         warned: set[str] = set()
         t0 = time.monotonic()
         while True:
-            failed = [f for f in futures if f.status in ("error", "cancelled")]
-            pending = [f for f in futures if not f.done()]
+            failed = [f for f in futures if self.status(f) in ("error", "cancelled")]
+            pending = [f for f in futures if not self.done(f)]
             if failed:
                 exc = self.future_error(failed[0], method_name)
                 if pending and isinstance(exc, RankError):
@@ -136,7 +160,7 @@ class Waiter:
                         settings.rank_failure_grace if grace is None else grace,
                         method_name,
                         exc.rank,
-                        [(r, f) for r, f in zip(ranks, futures) if not f.done()],
+                        [(r, _Done(self, f)) for r, f in zip(ranks, futures) if not self.done(f)],
                     )
                 try:
                     raise exc
@@ -147,19 +171,19 @@ class Waiter:
                     del exc
             if not pending:
                 try:
-                    # Straight from the workers holding the results: Dask's default has the
-                    # scheduler fetch and forward them, a batch crossing its link twice.
-                    return self.ranks.client.gather(futures, direct=True)
+                    return self.values(futures)
                 except TRANSFER_ERRORS as exc:
                     raise transfer_error(-1, "?", method_name, exc) from None
-            running = [(r, f) for r, f in zip(ranks, futures) if not f.done()]
+            running = [(r, _Done(self, f)) for r, f in zip(ranks, futures) if not self.done(f)]
             try:
                 self.failures.check_scheduler()
                 self.failures.raise_if_lost([r for r, _ in running if r is not None])
             except WorkerGroupError:
                 self.failures.mark_stuck(method_name, [(r, f) for r, f in running if r is not None])
                 raise
-            self._warn_if_paused([r for r, _ in running], method_name, warned, settings.paused_warning)
+            # Non-blocking calls' results are not Dask tasks: paused workers run them.
+            on_tasks = [r for r, d in running if self.ranks.driver.owned.record(d.future) is None]
+            self._warn_if_paused(on_tasks, method_name, warned, settings.paused_warning)
             wait_s = settings.poll_interval
             if limit is not None:
                 if limit.remaining() <= 0:
@@ -177,16 +201,48 @@ class Waiter:
 
     def wait_first(self, futures: list[Future], timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the first of ``futures`` to finish."""
+        owned = self.ranks.driver.owned
+        records = [r for r in map(owned.record, futures) if r is not None]
+        others = [f for f in futures if owned.record(f) is None]
+        if not others:
+            owned.wait(records, timeout)
+            return
         # distributed.wait runs on the *default* client's loop; with several clients in
         # one process that may not be the one owning these futures.
         with self.ranks.client.as_current():
-            dask_wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+            # With results of non-blocking calls among them, which Dask's wait does not see
+            # finish, look at those again soon.
+            dask_wait(
+                others, timeout=min(timeout, 0.05) if records else timeout, return_when="FIRST_COMPLETED"
+            )
+
+    def values(self, futures: list[Future]) -> list:
+        """The values of finished futures, each read from the worker holding it (results of
+        non-blocking calls: never through the scheduler; others through ``client.gather``)."""
+        owned = self.ranks.driver.owned
+        mine = [i for i, f in enumerate(futures) if owned.record(f) is not None]
+        values: list[Any] = [None] * len(futures)
+        if len(mine) < len(futures):
+            others = [i for i in range(len(futures)) if owned.record(futures[i]) is None]
+            for i, value in zip(others, self.ranks.client.gather([futures[i] for i in others], direct=True)):
+                values[i] = value
+        if mine:
+            keys = [futures[i].key for i in mine]
+            channel = self.ranks.driver.channel()
+            if channel is None:
+                client = self.ranks.client
+                fetched = client.sync(owned.fetch, keys, client.rpc)
+            else:
+                fetched = channel.run(owned.fetch(keys, channel.pool))
+            for i, value in zip(mine, fetched):
+                values[i] = value
+        return values
 
     def _futures_timeout_error(
         self, futures: list[Future], method_name: str, limit: Limit, waited: float, status_timeout: float
     ) -> CallTimeoutError:
         calls = self.calls_of(futures, method_name)
-        done = {c.rank for c, f in zip(calls, futures) if f.done()}
+        done = {c.rank for c, f in zip(calls, futures) if self.done(f)}
         client = self.ranks.client
         return client.sync(timeout_error, self.ranks, client.rpc, calls, done, limit, waited, status_timeout)
 
@@ -215,7 +271,7 @@ class Waiter:
         inflight = self.ranks.driver.inflight
         for slot in slots:
             while True:
-                pending = [f for f in list(inflight.get(slot.server_id, ())) if not f.done()]
+                pending = [f for f in list(inflight.get(slot.server_id, ())) if not self.done(f)]
                 if len(pending) < most:
                     break
                 if limit is not None and limit.remaining() <= 0:
@@ -261,7 +317,10 @@ class Waiter:
         never Dask's bare ``CancelledError``."""
         rank = self.rank_of(future)
         address = self.ranks.address(rank) if rank is not None else "?"
-        if future.status == "cancelled":
+        rec = self.ranks.driver.owned.record(future)
+        if rec is not None and rec.status == "error":
+            return fresh_error(rec.error)  # a copy, as below: no traceback cycle keeps futures
+        if self.status(future) == "cancelled":
             if rank is not None:
                 self.failures.await_loss_news(rank)
             if self.ranks.client.status != "running":

@@ -1,0 +1,222 @@
+"""Building a call's arguments on its rank: :class:`Inputs`.
+
+A ``DataProtoFuture`` or a plain future among a call's arguments (top level, or inside
+lists, tuples and dicts) arrives as a :class:`daskwg.wire.LazyArg` placeholder; what stands
+for it comes beside the arguments (the call's ``lazy_values``): per placeholder, one entry
+per part, each a :class:`daskwg.wire.ResultRef` (a result of a non-blocking call, which the
+rank fetches itself, worker to worker) or what Dask resolved on the worker (the task path,
+for futures no group call made).
+
+On the direct path the fetches start when the call arrives (:meth:`Inputs.prefetch`, on the
+worker's event loop), while earlier calls still run on the host thread, as Dask gathers a
+task's dependencies before it runs; the host thread then only waits for them
+(:meth:`Inputs.resolve`). A whole value fetched from another worker is used in place (its
+memory is the receive buffer, nobody else's); one held on this worker is copied once, so
+the rank may change its argument without changing the stored result; a relayed one is used
+in place once the next consumer has it (``daskwg.plugin.relay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import traceback
+from typing import Any
+
+from distributed.comm.core import CommClosedError
+from distributed.utils import sync
+
+from .. import serialization, wire
+from ..errors import RankError, WorkerGroupError, WorkerLostError
+from ..futures import padding_of
+from ..wire import Call, LazyArg, PartInfo, ResultRef
+from . import rows
+from .relay import Relays
+from .results import ResultStore
+
+__all__ = ["Inputs"]
+
+#: How deep arguments are searched for placeholders (lists, tuples, dicts inside each other).
+_DEPTH = 4
+
+
+class _Fetched:
+    """The outcome of one fetch started on the event loop, taken once by the host thread
+    (which then holds the only reference: a snapshot of a result that returns the argument
+    sees it as the rank's own)."""
+
+    __slots__ = ("_event", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def settle(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self._error = WorkerGroupError("the worker closed while fetching a call's input")
+        elif task.exception() is not None:
+            self._error = task.exception()
+        else:
+            self._value = task.result()
+        self._event.set()
+
+    def take(self) -> Any:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        value, self._value = self._value, None
+        return value
+
+
+class Inputs:
+    """Fetches and builds the inputs of this worker's calls.
+
+    Args:
+        worker: the Dask worker.
+        store: its :class:`~daskwg.plugin.results.ResultStore`.
+        relays: its :class:`~daskwg.plugin.relay.Relays`.
+    """
+
+    def __init__(self, worker: Any, store: ResultStore, relays: Relays):
+        self.worker = worker
+        self.store = store
+        self.relays = relays
+
+    # ---- on the event loop, when a call arrives --------------------------------------
+
+    def prefetch(self, refs: list[tuple[str, list]], relay_wait: float) -> list[list]:
+        """Start fetching what ``refs`` (per placeholder ``(kind, values)``) stand for; returns
+        the call's ``lazy_values``, each :class:`ResultRef` replaced by its pending fetch."""
+        return [
+            [self._start(kind, v, relay_wait) if isinstance(v, ResultRef) else v for v in values]
+            for kind, values in refs
+        ]
+
+    def _start(self, kind: str, ref: ResultRef, relay_wait: float) -> _Fetched:
+        fetched = _Fetched()
+        coro = self.info(ref) if kind == wire.ROWS else self.value(ref, relay_wait)
+        asyncio.ensure_future(coro).add_done_callback(fetched.settle)
+        return fetched
+
+    async def value(self, ref: ResultRef, relay_wait: float = 10.0) -> Any:
+        """The value of ``ref``, in memory of this rank's own.
+
+        Raises:
+            the producing call's error if it failed.
+            WorkerLostError: the worker holding it cannot be reached.
+            GroupBrokenError: it was released.
+        """
+        if ref.address == self.worker.address and ref.via is None:
+            return _own_copy(await self.store.wait(ref))
+        if ref.via is not None or ref.relays:
+            return await self.relays.fetch(ref, relay_wait)
+        response = await self._ask(ref, "daskwg_fetch")
+        return response["data"]
+
+    async def info(self, ref: ResultRef) -> PartInfo:
+        """The :class:`~daskwg.wire.PartInfo` of the ``DataProtoFuture`` part ``ref``."""
+        if ref.address == self.worker.address:
+            return rows.part_info_of(await self.store.wait(ref), ref.key, ref.address)
+        return (await self._ask(ref, "daskwg_part_info"))["info"]
+
+    async def _ask(self, ref: ResultRef, handler: str) -> dict:
+        try:
+            response = await getattr(self.worker.rpc(ref.address), handler)(
+                key=ref.key, session=ref.session, seq=ref.seq, source=ref.source
+            )
+        except (OSError, CommClosedError) as exc:
+            raise WorkerLostError(
+                ref.rank, ref.address, f"fetching the result of {ref.source or ref.key} failed: {exc}"
+            ) from None
+        if response["status"] != "OK":
+            raise response["exception"]
+        return response
+
+    # ---- on the host thread, when the call runs --------------------------------------
+
+    def resolve(self, call: Call, args: tuple, kwargs: dict, lazy_values: list) -> tuple[tuple, dict, int]:
+        """``(args, kwargs, padding)`` with every placeholder replaced by the value it stands
+        for. ``padding``: the rows of padding that end this rank's piece of a future cut by
+        ``DP_COMPUTE_PROTO`` (:data:`daskwg.pieces.STRIP`), which
+        :func:`daskwg.plugin.rank.strip_padding` takes off the rank's output.
+
+        Raises:
+            RankError: the producing call's own error when it failed; else one naming the
+                producing call and ``call``'s method (parts that do not concatenate, say).
+            WorkerLostError: a worker holding an input is gone.
+        """
+        current: list[Any] = [None, 0]  # the placeholder being built, the padding
+        try:
+            resolved = tuple(self._walk(a, lazy_values, current, 0) for a in args)
+            resolved_kwargs = {k: self._walk(v, lazy_values, current, 0) for k, v in kwargs.items()}
+        except _FetchFailed as failed:
+            raise failed.error from None  # the producer's own error, a lost worker, a released result
+        except Exception as exc:  # noqa: BLE001 - building the input from its parts failed
+            source = getattr(current[0], "source", "") or "an earlier call"
+            raise RankError(
+                call.rank,
+                self.worker.address,
+                f"{source}, whose output could not be built as the input of {call.method!r}",
+                traceback.format_exc(),
+                exc,
+            ) from None
+        return resolved, resolved_kwargs, current[1]
+
+    def _walk(self, value: Any, lazy_values: list, current: list, depth: int) -> Any:
+        if isinstance(value, LazyArg):
+            current[0] = value
+            return self._build(value, lazy_values[value.index], current)
+        if depth >= _DEPTH:
+            return value
+        if type(value) in (list, tuple):
+            return type(value)(self._walk(v, lazy_values, current, depth + 1) for v in value)
+        if type(value) is dict:
+            return {k: self._walk(v, lazy_values, current, depth + 1) for k, v in value.items()}
+        return value
+
+    def _build(self, lazy: LazyArg, values: list, current: list) -> Any:
+        fetched = [self._take(lazy.kind, v) for v in values]
+        if lazy.kind == wire.ROWS:
+            current[1] = max(current[1], padding_of(lazy.spec, [info.rows for info in fetched]))
+            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get)
+        if len(fetched) == 1 and not isinstance(values[0], (_Fetched, ResultRef)):
+            # Resolved by Dask (the task path): a part produced on this worker arrives as
+            # the very object Dask keeps for its future, which a method that changes its
+            # argument in place would change for every later reader.
+            fetched = [_own_copy(fetched[0])]
+        else:
+            fetched = [serialization.loads(v) if isinstance(v, serialization.Packed) else v for v in fetched]
+        if lazy.kind == wire.VALUE:
+            return fetched[0]
+        return lazy.spec(fetched)
+
+    def _take(self, kind: str, value: Any) -> Any:
+        try:
+            if isinstance(value, _Fetched):
+                return value.take()
+            if isinstance(value, ResultRef):  # a task-path call: fetched now
+                coro = self.info(value) if kind == wire.ROWS else self.value(value)
+                return sync(self.worker.loop, lambda: coro)
+        except WorkerGroupError as exc:
+            raise _FetchFailed(exc) from None
+        return value
+
+
+class _FetchFailed(Exception):
+    """Fetching a part failed with ``error`` (raised as it is, not blamed on building)."""
+
+    def __init__(self, error: WorkerGroupError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _own_copy(stored: Any) -> Any:
+    """A value of this rank's own from a stored one (a ``Packed``, or what Dask holds)."""
+    if isinstance(stored, serialization.Packed):
+        return serialization.loads(stored, copy=True)
+    try:
+        return serialization.loads(serialization.dumps(stored), copy=True)
+    except Exception:  # noqa: BLE001 - objects this pickler cannot take
+        return copy.deepcopy(stored)

@@ -1,0 +1,90 @@
+"""A driver's call stream to this worker: the ``daskwg_stream`` handler (:func:`serve`).
+
+Drivers send their calls to a worker on call streams (``daskwg.transport.streams``): one
+connection per driver loop and worker, which a Dask comm opened and on which both ends then
+write :class:`daskwg.frames.FrameStream` frames. Each message is one call
+(:func:`daskwg.wire.call_message`, the arguments' buffers beside it); each reply
+(:func:`daskwg.wire.reply_message`) goes out when its call finishes, in whatever order
+calls finish, so no connection is held per waiting call.
+
+Everything here runs on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from distributed.core import Status
+
+from .. import serialization
+from ..errors import safe_str
+from ..frames import FrameStream
+from ..wire import Call, reply_message
+
+__all__ = ["serve"]
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(comm: Any, run: Callable[..., Awaitable[tuple]], free: Callable[[list], None]) -> Any:
+    """Serve one call stream until the driver closes it.
+
+    Args:
+        comm: the stream's comm (the handler's first argument).
+        run: the host's ``run(call, payload, refs, key, inline, relay_wait)``.
+        free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
+            of them before the scheduler heard of them).
+    Returns:
+        ``Status.dont_reply`` (replies go out as calls finish).
+    """
+    frames = FrameStream(comm)
+    lock = asyncio.Lock()
+    while True:
+        try:
+            message, buffers = await frames.read()
+        except OSError:  # CommClosedError: the driver closed it, or went away
+            break
+        if message[0] == "call":
+            asyncio.ensure_future(_one(frames, lock, message, buffers, run))
+        elif message[0] == "free":
+            free(list(message[2]))
+        else:
+            logger.warning("daskwg call stream: unknown message %r ignored", message[0])
+    return Status.dont_reply
+
+
+async def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, run: Any) -> None:
+    _, cid, call, header, key, inline, relay_wait, refs = message
+    try:
+        status, nbytes, error, result = await run(
+            Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait
+        )
+    except asyncio.CancelledError:
+        return  # the worker is closing: the driver sees the stream close
+    except Exception as exc:  # noqa: BLE001 - run answers its own errors; this is a defect
+        logger.exception("daskwg call stream: call %s failed outside the host", call)
+        status, nbytes, error, result = "error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None
+    del buffers
+    reply = reply_message(
+        cid,
+        status,
+        nbytes,
+        None if error is None else _pickled(error),
+        None if result is None else result.header,
+    )
+    async with lock:
+        try:
+            await frames.write(reply, [] if result is None else result.buffers)
+        except OSError:
+            pass  # the driver is gone; kept results stay until it is released
+
+
+def _pickled(error: BaseException) -> bytes:
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001 - shaped by the host to pickle; this is the last resort
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {safe_str(error)}"))

@@ -1,0 +1,410 @@
+"""Results the driver owns on the workers: the futures of non-blocking calls.
+
+A non-blocking call's result stays on its rank's worker under a key the driver owns
+(``daskwg.plugin.results``); the driver holds a :class:`CallFuture`, a
+``distributed.Future`` of that key, and :class:`Owned` keeps what it knows of each one
+(:class:`OwnedResult`): the call, where the result is, its size, the result itself when it
+was small enough to come back with the reply (as Ray returns small objects inline to their
+owner), or the error the call raised.
+
+Dask sees these futures as its own:
+
+* a future is ``finished`` (``future.done()``, ``future.status``) with its call's reply,
+  and daskwg's own waits (:meth:`Owned.wait`: group calls, ``daskwg.get``,
+  ``DataProtoFuture.get()``) and :meth:`CallFuture.result` need nothing more;
+* once something waits for it through Dask (``distributed.wait``, ``as_completed``,
+  ``client.gather``, ``add_done_callback``), or it has lived for
+  :data:`REGISTER_AFTER` seconds, the driver registers its key with the scheduler
+  (``update_data``, as ``client.scatter`` does: the scheduler learns where the result is
+  and its size, and never holds its bytes), so Dask's own gather, the dashboard's memory
+  views and Dask tasks taking the future work on it, and dropping it releases the result
+  through Dask's reference counting. Results dropped before that (most of an RL step's)
+  never cost the scheduler anything: the driver drops them on their workers itself;
+* a failed call's future is ``error`` with the call's ``RankError`` at once;
+* ``future.cancel()`` reaches the rank (a queued call is skipped, an ``async def`` one
+  interrupted, as on the task path), and a future dropped before its result exists has the
+  result dropped on its worker when it comes.
+
+Values come straight from the worker holding them (``daskwg_fetch``), never through the
+scheduler: :meth:`Owned.values` (and :meth:`CallFuture.result`).
+
+Threads: the calling threads create futures and wait; the client's event loop handles the
+replies, registrations, cancellations and releases. :class:`OwnedResult` fields change only
+on the loop; waiters read them under :attr:`Owned.cond`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client, Future
+from distributed.client import FutureState
+from distributed.comm.core import CommClosedError
+
+from .. import serialization
+from ..errors import GroupBrokenError, WorkerLostError
+from ..wire import Call
+from .streams import CallStreams
+
+__all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState", "REGISTER_AFTER"]
+
+logger = logging.getLogger(__name__)
+
+PENDING, FINISHED, ERROR, CANCELLED = "pending", "finished", "error", "cancelled"
+
+#: Seconds after which a result the program still holds is registered with the scheduler
+#: even if nothing waited for it through Dask (so Dask's views and tasks see it).
+REGISTER_AFTER = 0.5
+
+
+@dataclass(eq=False)
+class OwnedResult:
+    """What the driver knows of one non-blocking call's result.
+
+    Attributes:
+        key: its key.
+        call: the call.
+        address: the worker holding it.
+        status: ``"pending"``, ``"finished"``, ``"error"`` or ``"cancelled"``.
+        nbytes: its size once finished.
+        inline: the result itself (pickled) when it came back with the reply (one with
+            tensors is taken by the first read).
+        error: the call's error.
+        pinned: futures the call reads (its ``DataProtoFuture`` and future arguments), kept
+            alive until it ends even if the program drops them.
+        wanted: something waits for it through Dask (register it once it exists).
+        registering, registered: where its registration with the scheduler is.
+    """
+
+    key: str
+    call: Call
+    address: str
+    state: OwnedState
+    status: str = PENDING
+    nbytes: int | None = None
+    inline: serialization.Packed | None = None
+    error: BaseException | None = None
+    pinned: tuple = ()
+    wanted: bool = False
+    registering: bool = False
+    registered: bool = False
+
+
+class OwnedState(FutureState):
+    """The Dask state of a :class:`CallFuture`'s key: ``finished`` with the call's reply
+    (its Dask event waits for the scheduler to know the key, which waiting on it asks
+    for), and it tells :class:`Owned` when Dask cancels it (``future.cancel()``,
+    ``client.cancel``, a restart) or releases it (the last future of the key was dropped)."""
+
+    __slots__ = ("owned", "_settled")
+
+    def __init__(self, key: str, owned: Owned):
+        super().__init__(key)
+        self.owned = owned
+        self._settled = asyncio.Event()
+
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    async def wait(self, timeout: float | None = None) -> None:
+        # Dask waits for it (wait, as_completed, gather): the scheduler must know it first.
+        self.owned.demand(self.key)
+        await super().wait(timeout)
+
+    async def settled(self) -> None:
+        """Until the call's reply came (no registration needed)."""
+        await self._settled.wait()
+
+    def cancel(self, reason: Any = None, msg: Any = None) -> None:
+        super().cancel(reason, msg)
+        self._settled.set()
+        # Dask's _release_key calls this once the key's reference count is gone; any other
+        # caller (Client._cancel, the scheduler's cancelled-keys) leaves it in place.
+        self.owned.on_cancel(self.key, released=self.key not in self.owned.client.refcount)
+
+
+class CallFuture(Future):
+    """A ``distributed.Future`` of a non-blocking call's result, which stays on its rank's
+    worker. Everything a Dask future does works on it; :meth:`result` fetches the value from
+    that worker directly, never through the scheduler."""
+
+    async def _result(self, raiseit: bool = True) -> Any:
+        state = self._state
+        if isinstance(state, OwnedState):
+            await state.settled()
+            if state.status == "finished" and self.key in state.owned.records:
+                return (await state.owned.fetch([self.key], self.client.rpc))[0]
+        return await super()._result(raiseit)
+
+
+class Owned:
+    """The non-blocking calls' results of one driver (one ``Client``).
+
+    Args:
+        client: the driver's client.
+        streams: its call streams on the client's loop (results are dropped on a worker
+            with a message on its stream).
+    """
+
+    def __init__(self, client: Client, streams: CallStreams):
+        self.client = client
+        self.records: dict[str, OwnedResult] = {}
+        #: notified (from the client's loop) whenever a result finishes, fails or is cancelled.
+        self.cond = threading.Condition()
+        self.streams = streams
+        self._frees: dict[tuple[str, str | None], list[str]] = {}
+        self._to_register: list[OwnedResult] = []
+        self._registering = False
+
+    # ---- creating (calling thread) ---------------------------------------------------
+
+    def create(self, call: Call, key: str, address: str, pinned: Sequence[Any] = ()) -> CallFuture:
+        """The future of ``call``'s result, which will be kept under ``key`` at ``address``."""
+        state = OwnedState(key, self)
+        self.records[key] = OwnedResult(key, call, address, state, pinned=tuple(pinned))
+        # Future binds to the key's state in client.futures when there is one.
+        self.client.futures[key] = state
+        return CallFuture(key, self.client)
+
+    def record(self, future: Any) -> OwnedResult | None:
+        """The record of one of these futures (``None`` for any other future)."""
+        state = getattr(future, "_state", None)
+        if not isinstance(state, OwnedState) or state.owned is not self:
+            return None
+        return self.records.get(future.key)
+
+    # ---- settling (the client's loop) ------------------------------------------------
+
+    def finished(self, key: str, nbytes: int, inline: serialization.Packed | None = None) -> None:
+        """The call of ``key`` returned; its result (``nbytes``) is on its worker, and
+        ``inline`` is the result itself when it came with the reply."""
+        rec = self.records.get(key)
+        if rec is None or rec.status != PENDING:
+            if rec is not None:
+                self._forget(rec)  # cancelled meanwhile: the result is nobody's
+            return
+        self._settle(rec, FINISHED, nbytes=nbytes, inline=inline)
+        if not self._alive(rec):
+            self._forget(rec)
+        elif rec.wanted:
+            self._queue_registration(rec)
+        else:
+            self.client.loop.call_later(REGISTER_AFTER, self._register_if_alive, key)
+
+    def failed(self, key: str, error: BaseException) -> None:
+        """The call of ``key`` failed with ``error`` (a daskwg error)."""
+        rec = self.records.get(key)
+        if rec is None or rec.status != PENDING:
+            if rec is not None and rec.status == CANCELLED:
+                self._forget(rec)
+            return
+        self._settle(rec, ERROR, error=error)
+        if self._alive(rec):
+            rec.state.set_error(error, None)
+        else:
+            self._forget(rec)
+
+    def cancelled(self, key: str) -> None:
+        """The rank's worker says the call of ``key`` was cancelled (skipped or interrupted)."""
+        rec = self.records.get(key)
+        if rec is not None:
+            if rec.status == PENDING:
+                self._settle(rec, CANCELLED)
+            self._forget(rec)
+
+    def lost(self, keys: Iterable[str], error_of: Any) -> None:
+        """Their worker is gone: ``error_of(record)`` is each one's error."""
+        for key in list(keys):
+            rec = self.records.get(key)
+            if rec is not None and rec.status == PENDING:
+                self.failed(key, error_of(rec))
+
+    def _settle(self, rec: OwnedResult, status: str, **fields: Any) -> None:
+        with self.cond:
+            rec.status = status
+            for name, value in fields.items():
+                setattr(rec, name, value)
+            rec.pinned = ()
+            self.cond.notify_all()
+        if status == FINISHED and rec.state.status == PENDING:
+            rec.state.status = FINISHED
+        rec.state._settled.set()
+
+    def demand(self, key: str) -> None:
+        """Something waits for ``key`` through Dask: register it as soon as it exists."""
+        rec = self.records.get(key)
+        if rec is None or rec.registered or rec.registering:
+            return
+        rec.wanted = True
+        if rec.status == FINISHED and self._alive(rec):
+            self._queue_registration(rec)
+
+    def _register_if_alive(self, key: str) -> None:
+        rec = self.records.get(key)
+        if rec is not None and not (rec.registered or rec.registering) and self._alive(rec):
+            self._queue_registration(rec)
+
+    def _queue_registration(self, rec: OwnedResult) -> None:
+        rec.registering = True
+        self._to_register.append(rec)
+        if not self._registering:
+            self._registering = True
+            asyncio.ensure_future(self._register())
+
+    def _alive(self, rec: OwnedResult) -> bool:
+        """Whether the program still holds the future (its state is still the key's)."""
+        return self.client.futures.get(rec.key) is rec.state
+
+    def on_cancel(self, key: str, released: bool) -> None:
+        """Dask cancelled or released ``key``'s state (any thread)."""
+        try:
+            self.client.loop.add_callback(self._on_cancel, key, released)
+        except Exception:  # noqa: BLE001 - the loop is closing with the client
+            pass
+
+    def _on_cancel(self, key: str, released: bool) -> None:
+        rec = self.records.get(key)
+        if rec is None:
+            return
+        if rec.status == PENDING:
+            if not released:
+                # A cancelled call never runs if it is still queued (an async one is
+                # interrupted): the rank's worker is told; dropping is not cancelling.
+                self._settle(rec, CANCELLED)
+                asyncio.ensure_future(
+                    self._tell(rec.address, "daskwg_cancel", session=rec.call.session, seqs=[rec.call.seq])
+                )
+            return  # settled by the reply: the result is dropped where it is
+        if not rec.registering:
+            self._forget(rec)
+
+    def _forget(self, rec: OwnedResult) -> None:
+        """The program let go of ``rec``: drop its result on the worker unless Dask releases it."""
+        if self.records.get(rec.key) is rec:
+            del self.records[rec.key]
+        if not rec.registered:
+            self.free(rec.address, rec.call.worker_id, rec.key)
+
+    async def _register(self) -> None:
+        """Tell the scheduler where finished results are (a batch per round trip), once
+        their workers have moved them into their Dask data (``daskwg_publish``)."""
+        client = self.client
+        try:
+            while self._to_register:
+                batch, self._to_register = self._to_register, []
+                by_address: dict[str, list[OwnedResult]] = {}
+                for r in batch:
+                    by_address.setdefault(r.address, []).append(r)
+                published: dict[str, int] = {}
+                for address, records in by_address.items():
+                    try:
+                        published.update(
+                            await client.rpc(address).daskwg_publish(keys=[r.key for r in records])
+                        )
+                    except Exception as exc:  # noqa: BLE001 - the worker is gone: reading them says so
+                        logger.debug("publishing %d results on %s failed: %s", len(records), address, exc)
+                if published:
+                    try:
+                        await client.scheduler.update_data(
+                            who_has={k: [self.records[k].address] for k in published if k in self.records},
+                            nbytes=published,
+                            client=client.id,
+                        )
+                    except Exception as exc:  # noqa: BLE001 - e.g. a worker the scheduler removed
+                        logger.debug(
+                            "registering %d results with the scheduler failed: %s", len(published), exc
+                        )
+                        published = {}
+                released = []
+                for r in batch:
+                    r.registering = False
+                    r.registered = r.key in published
+                    if self._alive(r):
+                        r.state.finish()
+                    elif r.registered:
+                        # Released before the scheduler knew the key: release it again.
+                        released.append(r.key)
+                        self.records.pop(r.key, None)
+                    else:
+                        self._forget(r)
+                if released and client.status == "running":
+                    client._send_to_scheduler(
+                        {"op": "client-releases-keys", "keys": released, "client": client.id}
+                    )
+        finally:
+            self._registering = False
+
+    def free(self, address: str, server_id: str | None, key: str) -> None:
+        """Drop the result ``key`` on its worker (with the others dropped in this loop turn)."""
+        target = (address, server_id)
+        keys = self._frees.setdefault(target, [])
+        keys.append(key)
+        if len(keys) == 1:
+            self.client.loop.add_callback(self._flush_frees, target)
+
+    async def _flush_frees(self, target: tuple[str, str | None]) -> None:
+        keys = self._frees.pop(target, [])
+        if keys:
+            try:
+                await self.streams.post(target[0], target[1], ("free", 0, keys))
+            except OSError:
+                pass  # the worker is gone, and its results with it
+
+    async def _tell(self, address: str, handler: str, **kwargs: Any) -> None:
+        try:
+            await getattr(self.client.rpc(address), handler)(**kwargs)
+        except Exception:  # noqa: BLE001 - the worker may be gone: nothing is held there then
+            pass
+
+    # ---- waiting and reading (calling threads) -------------------------------------
+
+    def wait(self, records: Sequence[OwnedResult], timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds until one of ``records`` is no longer pending."""
+        with self.cond:
+            self.cond.wait_for(lambda: any(r.status != PENDING for r in records), timeout)
+
+    async def fetch(self, keys: Sequence[str], rpc: Any) -> list:
+        """The values of these finished results, each from its worker (``rpc``: the caller's
+        loop's ``address -> rpc``), or their inline copies.
+
+        Raises:
+            WorkerLostError: a worker holding one cannot be reached.
+            GroupBrokenError: one was released or its call failed meanwhile.
+        """
+        return list(await asyncio.gather(*(self._fetch_one(self.records.get(k), k, rpc) for k in keys)))
+
+    async def _fetch_one(self, rec: OwnedResult | None, key: str, rpc: Any) -> Any:
+        if rec is None:
+            raise GroupBrokenError(f"the result {key!r} was released: keep its future until it is read")
+        if rec.status == ERROR:
+            # A copy: the stored error, raised, would hold this read's frames (and futures).
+            try:
+                error = copy.copy(rec.error)
+            except Exception:  # noqa: BLE001 - an error class that does not rebuild from its args
+                error = rec.error
+            raise error
+        packed = rec.inline
+        if packed is not None:
+            if packed.buffers:
+                # Its tensors would be the received buffers': taken once, so two reads of
+                # the future never share memory (a later one fetches a copy of its own).
+                rec.inline = None
+            return serialization.loads(packed)
+        call = rec.call
+        try:
+            response = await rpc(rec.address).daskwg_fetch(
+                key=key, session=call.session, seq=call.seq, source=f"{call.group_name}.{call.method}"
+            )
+        except (OSError, CommClosedError) as exc:
+            raise WorkerLostError(
+                call.rank, rec.address, f"reading the result of {call.method!r}: {exc}"
+            ) from None
+        if response["status"] != "OK":
+            raise response["exception"]
+        return response["data"]

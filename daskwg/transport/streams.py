@@ -1,0 +1,194 @@
+"""Call streams: one connection per worker process for a loop's calls to it and their
+replies (:class:`CallStreams`; the worker side is ``daskwg.plugin.stream``).
+
+A call is one message on its worker's stream (:class:`daskwg.frames.FrameStream` frames),
+written as soon as the call is made; its reply, tagged with the call's id, comes when the
+call finishes, in whatever order calls finish. Any number of calls may wait in a worker's
+queue at the cost of one connection, and a call costs one write and one read on each side.
+Streams are keyed by the worker process (address and server id), so a worker restarted at
+the same address gets a fresh one, and a stream whose connection closed is never reused.
+
+The driver has one :class:`CallStreams` on the client's event loop (non-blocking calls) and
+one per calling thread's own loop (blocking calls, ``daskwg.transport.channel``); each is
+used only on its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from distributed.comm import connect
+
+from ..frames import FrameStream
+
+__all__ = ["CallStreams", "StreamClosed"]
+
+logger = logging.getLogger(__name__)
+
+
+class StreamClosed(ConnectionError):
+    """A call stream closed with calls on it (its worker died, left, or the link broke)."""
+
+
+class _Stream:
+    def __init__(self, address: str, connection_args: dict, on_close: Callable[[], None]):
+        self.address = address
+        self.connection_args = connection_args
+        self.frames: FrameStream | None = None
+        self.pending: dict[int, Callable[[Any, list], None]] = {}
+        self.ids = itertools.count()
+        self._opening: asyncio.Future | None = None
+        self._lock = asyncio.Lock()
+        self._on_close = on_close
+        self.closed = False
+
+    async def _open(self) -> FrameStream:
+        if self.frames is not None:
+            return self.frames
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._connect())
+        try:
+            return await asyncio.shield(self._opening)
+        except BaseException:
+            self._opening = None
+            raise
+
+    async def _connect(self) -> FrameStream:
+        comm = await connect(self.address, **self.connection_args)
+        comm.name = "daskwg call stream"
+        await comm.write({"op": "daskwg_stream", "reply": False})
+        self.frames = FrameStream(comm)
+        asyncio.ensure_future(self._read(self.frames))
+        return self.frames
+
+    async def send(self, message: tuple, buffers: list, on_reply: Callable[[Any, list], None]) -> None:
+        """Write a call (``message[1]`` is left for its id); ``on_reply(reply, buffers)``
+        gets the reply, or ``(StreamClosed, [])`` if the stream closes first.
+
+        Raises:
+            OSError: the stream could not be opened or written (a ``StreamClosed`` once closed).
+        """
+        if self.closed:
+            raise StreamClosed(f"the call stream to {self.address} is closed")
+        frames = await self._open()
+        cid = next(self.ids)
+        self.pending[cid] = on_reply
+        try:
+            async with self._lock:
+                await frames.write((message[0], cid, *message[2:]), buffers)
+        except BaseException:
+            self.pending.pop(cid, None)
+            raise
+
+    async def post(self, message: tuple) -> None:
+        """Write a message that has no reply."""
+        if self.closed:
+            raise StreamClosed(f"the call stream to {self.address} is closed")
+        frames = await self._open()
+        async with self._lock:
+            await frames.write(message)
+
+    async def _read(self, frames: FrameStream) -> None:
+        try:
+            while True:
+                reply, buffers = await frames.read()
+                callback = self.pending.pop(reply[1], None)
+                if callback is not None:
+                    callback(reply, buffers)
+        except Exception as exc:  # noqa: BLE001 - closed, reset, or a reply that did not load
+            reason = exc
+        self.closed = True
+        frames.abort()
+        self._on_close()
+        pending = list(self.pending.values())
+        self.pending.clear()
+        for callback in pending:
+            callback(StreamClosed(f"the call stream to {self.address} closed: {reason}"), [])
+
+    def abort(self) -> None:
+        if self.frames is not None:
+            self.frames.abort()
+
+
+class CallStreams:
+    """One loop's call streams, by worker process.
+
+    Args:
+        connection_args: the client's (``Client.connection_args``).
+        epochs: server id -> how many times the driver took that worker process as lost
+            while it may still be there (its heartbeat found it unreachable): a stream
+            opened before the last such verdict is closed and never reused, since its
+            connection may have died silently (a partition), however long TCP takes to say so.
+    """
+
+    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
+        self.connection_args = connection_args
+        self.epochs = {} if epochs is None else epochs
+        self._streams: dict[tuple[str, str | None], _Stream] = {}
+        self._epoch: dict[tuple[str, str | None], int] = {}
+
+    def _stream(self, address: str, server_id: str | None) -> _Stream:
+        key = (address, server_id)
+        stream = self._streams.get(key)
+        epoch = self.epochs.get(server_id, 0) if server_id is not None else 0
+        if stream is not None and self._epoch.get(key) != epoch:
+            stream.closed = True  # its calls fail as lost when its connection goes
+            stream.abort()
+            self._streams.pop(key, None)
+            stream = None
+        if stream is None:
+            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream))
+            self._streams[key] = stream
+            self._epoch[key] = epoch
+        return stream
+
+    def _drop(self, key: tuple[str, str | None], stream: _Stream) -> None:
+        if self._streams.get(key) is stream:
+            del self._streams[key]
+
+    async def send(
+        self,
+        address: str,
+        server_id: str | None,
+        message: tuple,
+        buffers: list,
+        on_reply: Callable[[Any, list], None],
+    ) -> None:
+        """:meth:`_Stream.send` on the stream to the worker process ``server_id`` at ``address``."""
+        await self._stream(address, server_id).send(message, buffers, on_reply)
+
+    async def post(self, address: str, server_id: str | None, message: tuple) -> None:
+        """:meth:`_Stream.post` on the stream to that worker process."""
+        await self._stream(address, server_id).post(message)
+
+    async def request(self, address: str, server_id: str | None, message: tuple, buffers: list) -> tuple:
+        """Send a call and wait for its reply: ``(reply, buffers)``.
+
+        Raises:
+            OSError: the stream closed (a :class:`StreamClosed`) or could not be written.
+        """
+        future = asyncio.get_running_loop().create_future()
+
+        def on_reply(reply: Any, reply_buffers: list) -> None:
+            if future.done():
+                return
+            if isinstance(reply, BaseException):
+                future.set_exception(reply)
+            else:
+                future.set_result((reply, reply_buffers))
+
+        await self.send(address, server_id, message, buffers, on_reply)
+        return await future
+
+    def forget(self, address: str) -> None:
+        """Close the streams to a worker that is gone (their calls fail as lost)."""
+        for key in [k for k in self._streams if k[0] == address]:
+            self._streams[key].abort()
+
+    def abort_all(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.abort()

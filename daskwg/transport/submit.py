@@ -1,0 +1,152 @@
+"""The submit path: non-blocking calls, sent straight to their ranks' workers like blocking
+calls (one message per rank on the driver's call stream to that worker, no scheduler hop),
+returning at once with one :class:`~daskwg.transport.owned.CallFuture` per rank, whose
+result stays on the rank's worker under a key the driver owns.
+
+The futures' keys read like task keys on the dashboard
+(``"<group>.<method>-<call>-r<rank>-<id8>"``, :func:`daskwg.wire.task_key`). Failures reach
+them with the blocking path's errors: a rank that raised gives its ``RankError``, a stream
+that closed a ``WorkerLostError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .. import serialization, wire
+from ..config import Settings
+from ..wire import Call
+from .driver import GroupRanks, TaskCall
+from .failures import TRANSFER_ERRORS, FailureState, transfer_error
+from .owned import CallFuture
+
+__all__ = ["SubmitPath"]
+
+
+class SubmitPath:
+    """Sends one group's non-blocking calls.
+
+    Args:
+        ranks: the group's ranks.
+        failures: the group's failure state.
+    """
+
+    def __init__(self, ranks: GroupRanks, failures: FailureState):
+        self.ranks = ranks
+        self.failures = failures
+
+    def submit(
+        self,
+        calls: list[Call],
+        payloads: list[serialization.Packed],
+        refs: list[list],
+        keep: Sequence[Any],
+        settings: Settings,
+    ) -> list[CallFuture]:
+        """Send one call per rank; returns their futures, in the order of ``calls``.
+
+        Arguments of at most ``daskwg.scatter-above`` bytes are copied, and larger ones
+        sent before this returns, so changing them afterwards changes nothing the ranks get.
+
+        Args:
+            calls: one per rank.
+            payloads: each call's arguments, packed once.
+            refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s.
+            keep: futures the calls read, kept alive until each call ends.
+            settings: the call's settings.
+        """
+        ranks, driver = self.ranks, self.ranks.driver
+        call_no = next(driver.call_numbers)
+        now = time.monotonic()
+        big = any(p.nbytes > settings.scatter_above for p in payloads)
+        futures: list[CallFuture] = []
+        messages = []
+        try:
+            for call, payload, call_refs in zip(calls, payloads, refs):
+                key = wire.task_key(ranks.name, call.method, call_no, call.rank, ranks.group_id)
+                future = driver.owned.create(call, key, ranks.address(call.rank), keep)
+                driver.calls[future] = TaskCall(call, now, settings.paused_timeout)
+                driver.inflight[ranks.slots[call.rank].server_id].add(future)
+                futures.append(future)
+                buffers = payload.buffers if big else [bytes(b) for b in payload.buffers]
+                message = wire.call_message(
+                    call,
+                    payload.header,
+                    key,
+                    settings.inline_results,
+                    settings.relay_wait,
+                    pickle.dumps(call_refs) if call_refs else None,
+                )
+                messages.append((message, buffers))
+            written = threading.Event() if big else None
+            ranks.client.loop.add_callback(self._send_all, calls, messages, written)
+        except BaseException:
+            # Calls that were never sent must not hold up later ones on their workers.
+            for call in calls:
+                ranks.client.loop.add_callback(self._skip, call)
+            raise
+        if written is not None:
+            written.wait()
+        return futures
+
+    def _send_all(self, calls: list[Call], messages: list, written: threading.Event | None) -> None:
+        remaining = [len(calls)]
+
+        def one_written() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and written is not None:
+                written.set()
+
+        for call, (message, buffers) in zip(calls, messages):
+            asyncio.ensure_future(self._one(call, message, buffers, one_written))
+
+    async def _one(self, call: Call, message: tuple, buffers: list, written: Any) -> None:
+        driver, address = self.ranks.driver, self.ranks.address(call.rank)
+        key = message[4]
+        try:
+            await driver.streams.send(
+                address, call.worker_id, message, buffers, functools.partial(self._reply, call, key)
+            )
+        except OSError as exc:  # the stream closed, or could not be opened
+            driver.owned.failed(key, await self.failures.connection_lost(call.rank, exc))
+        finally:
+            written()
+
+    def _reply(self, call: Call, key: str, reply: Any, buffers: list) -> None:
+        owned = self.ranks.driver.owned
+        if isinstance(reply, BaseException):
+            asyncio.ensure_future(self._lost(call, key, reply))
+            return
+        # A reply means the call has ended there (and every earlier one of this driver).
+        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        _, _, status, nbytes, error, header = reply
+        if status == "OK":
+            owned.finished(key, nbytes, None if header is None else serialization.Packed(header, buffers))
+        elif status == "cancelled":
+            owned.cancelled(key)
+        else:
+            try:
+                exc = pickle.loads(error)
+            except TRANSFER_ERRORS as unpickling:
+                exc = transfer_error(call.rank, self.ranks.address(call.rank), call.method, unpickling)
+            asyncio.ensure_future(self._failed(call, key, exc))
+
+    async def _failed(self, call: Call, key: str, exc: BaseException) -> None:
+        self.ranks.driver.owned.failed(key, await self.failures.response_error(call, exc))
+
+    async def _lost(self, call: Call, key: str, exc: BaseException) -> None:
+        self.ranks.driver.owned.failed(key, await self.failures.connection_lost(call.rank, exc))
+
+    async def _skip(self, call: Call) -> None:
+        try:
+            await self.ranks.client.rpc(self.ranks.address(call.rank)).daskwg_skip(
+                session=call.session, seqs=[call.seq]
+            )
+        except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits there then
+            pass
