@@ -69,9 +69,19 @@ def _take_chunk(data: Any, *, index: int, chunks: int) -> Any:
 
 
 def rows_of(value: Any) -> int:
-    """Rows of a DataProto or TensorDict (0 for a TensorDict without a batch dimension)."""
+    """Rows of a DataProto or TensorDict (0 for a TensorDict without a batch dimension).
+
+    Raises:
+        TypeError: ``value`` is neither (a part of a ``DataProtoFuture`` that is not a batch).
+    """
     if isinstance(value, DataProto):
         return len(value)
+    if not isinstance(value, TensorDictBase):
+        raise TypeError(
+            f"the parts of a DataProtoFuture must be DataProto or TensorDict, got {type(value).__name__}: "
+            "pass per-rank futures of other values (state dict shards, say) as a list, which each "
+            "rank receives as the list of their values"
+        )
     return int(value.batch_size[0]) if value.batch_dims else 0
 
 
@@ -165,8 +175,23 @@ class DataProtoFuture:
 
     @staticmethod
     def concat(futures: Sequence[Any]) -> DataProtoFuture:
-        """A future of the concatenation of ``futures`` (per-rank Dask futures), as verl's."""
-        return DataProtoFuture(futures=list(futures))
+        """A future of the concatenation of ``futures`` (per-rank Dask futures), as verl's.
+
+        Raises:
+            TypeError: an item is not a ``distributed.Future`` (a list of them, say: pass
+                that list itself).
+        """
+        futures = list(futures)
+        for i, future in enumerate(futures):
+            if not isinstance(future, Future):
+                hint = (
+                    " (a list of futures: pass that list itself)" if isinstance(future, (list, tuple)) else ""
+                )
+                raise TypeError(
+                    f"DataProtoFuture.concat takes per-rank futures, got a {type(future).__name__} at "
+                    f"position {i}{hint}"
+                )
+        return DataProtoFuture(futures=futures)
 
     # ---- lazy algebra ----------------------------------------------------------------
 
