@@ -115,7 +115,12 @@ def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any
             return items if any(items[k] is not v for k, v in value.items()) else value
         return value
 
-    return tuple(swap(a, True) for a in args), {k: swap(v, True) for k, v in kwargs.items()}
+    try:
+        return tuple(swap(a, True) for a in args), {k: swap(v, True) for k, v in kwargs.items()}
+    finally:
+        # swap calls itself through its closure: a cycle that would hold ``keep`` (the
+        # call's input futures, and the results on the workers) until the next gc.
+        swap = None  # noqa: F841
 
 
 def needs_dask(lazies: Sequence[list]) -> bool:

@@ -36,6 +36,7 @@ on the loop; waiters read them under :attr:`Owned.cond`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -382,7 +383,12 @@ class Owned:
         if rec is None:
             raise GroupBrokenError(f"the result {key!r} was released: keep its future until it is read")
         if rec.status == ERROR:
-            raise rec.error
+            # A copy: the stored error, raised, would hold this read's frames (and futures).
+            try:
+                error = copy.copy(rec.error)
+            except Exception:  # noqa: BLE001 - an error class that does not rebuild from its args
+                error = rec.error
+            raise error
         packed = rec.inline
         if packed is not None:
             if packed.buffers:

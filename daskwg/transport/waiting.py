@@ -319,7 +319,7 @@ class Waiter:
         address = self.ranks.address(rank) if rank is not None else "?"
         rec = self.ranks.driver.owned.record(future)
         if rec is not None and rec.status == "error":
-            return rec.error
+            return fresh_error(rec.error)  # a copy, as below: no traceback cycle keeps futures
         if self.status(future) == "cancelled":
             if rank is not None:
                 self.failures.await_loss_news(rank)
