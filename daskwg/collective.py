@@ -256,6 +256,7 @@ class _Member:
     group_id: str
     store: Any
     group: Any
+    backend: str = "gloo"
 
 
 _lock = threading.Lock()
@@ -295,7 +296,7 @@ def _join(group_id: str, spec: CollectiveSpec, rank: int) -> None:
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     with _lock:
-        _joined[spec.name] = _Member(spec, rank, group_id, store, group)
+        _joined[spec.name] = _Member(spec, rank, group_id, store, group, backend)
 
 
 def _leave(name: str) -> None:
@@ -402,15 +403,44 @@ def broadcast(tensor: Any, src_rank: int, group_name: str) -> Any:
         ValueError: not a member, or ``src_rank`` out of range; RuntimeError: a member
             failed or the timeout passed.
     """
+    import torch
     import torch.distributed as dist
 
     member = _member(group_name)
     if not 0 <= src_rank < member.spec.world_size:
         raise ValueError(f"src_rank {src_rank} is out of range 0..{member.spec.world_size - 1}")
+    if member.backend == "gloo" and tensor.is_contiguous() and tensor.nbytes >= CHAIN_ABOVE:
+        _chain_broadcast(member, tensor.view(-1).view(torch.uint8), src_rank)
+        return tensor
     options = dist.BroadcastOptions()
     options.rootRank = src_rank
     _wait(member, member.group.broadcast([tensor], options), "broadcast")
     return tensor
+
+
+#: Bytes from which gloo broadcasts go along a chain of the members, in chunks of
+#: :data:`CHAIN_CHUNK` bytes: gloo's own broadcast sends the whole tensor from the source
+#: to every member (the source's egress would be ``world_size - 1`` times the tensor); along
+#: the chain each member forwards chunk ``k`` while it receives chunk ``k + 1``, so the source
+#: sends it once and the time approaches one transfer plus a chunk per member.
+CHAIN_ABOVE = 1 << 20
+CHAIN_CHUNK = 4 << 20
+
+
+def _chain_broadcast(member: _Member, flat: Any, src_rank: int) -> None:
+    size = member.spec.world_size
+    position = (member.rank - src_rank) % size
+    previous = (member.rank - 1) % size if position else None
+    following = (member.rank + 1) % size if position < size - 1 else None
+    sends = []
+    for tag, start in enumerate(range(0, flat.numel(), CHAIN_CHUNK)):
+        chunk = flat[start : start + CHAIN_CHUNK]
+        if previous is not None:
+            _wait(member, member.group.recv([chunk], previous, tag), "broadcast")
+        if following is not None:
+            sends.append(member.group.send([chunk], following, tag))
+    for work in sends:
+        _wait(member, work, "broadcast")
 
 
 def allgather(tensor: Any, group_name: str) -> list:

@@ -44,6 +44,14 @@ class Member(Worker):
             "torch_api": _torch_api(name),
         }
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def big_broadcast(self, name: str, src: int, elements: int) -> bool:
+        """A tensor large enough to go along the chain of members, from collective rank ``src``."""
+        me = collective.get_rank(name)
+        t = torch.arange(elements, dtype=torch.float32) if me == src else torch.zeros(elements)
+        collective.broadcast(t, src, name)
+        return bool(torch.equal(t, torch.arange(elements, dtype=torch.float32)))
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def is_member(self, name: str) -> bool:
         try:

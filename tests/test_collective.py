@@ -52,6 +52,18 @@ def test_a_collective_over_two_groups_all_reduces_and_broadcasts_next_to_their_o
     assert [r["own"] for r in results] == [2.0, 2.0, 3.0, 3.0, 3.0]
 
 
+def test_a_large_broadcast_goes_along_the_chain_of_members_from_any_source(groups):
+    _, a, b = groups
+    # 9 MiB and 3 elements: chunks of daskwg.collective.CHAIN_CHUNK and a short last one.
+    elements = (9 << 20) // 4 + 3
+    with daskwg.create_collective_group([a, b], name="chain"):
+        for src in (0, 3):
+            done = daskwg.get(
+                [a.big_broadcast("chain", src, elements), b.big_broadcast("chain", src, elements)]
+            )
+            assert done == [[True, True], [True, True, True]]
+
+
 def test_a_collective_of_trainer_rank_0_and_every_rollout_rank(groups):
     _, a, b = groups
     with daskwg.create_collective_group([(a, 0), b], name="weights") as weights:
