@@ -283,9 +283,32 @@ def make_rows_class(Worker: type, register: Any, Dispatch: Any, DataProto: type,
             self.loaded = weights
             return (versions.pop() if len(versions) == 1 else None, nbytes)
 
+        # -- weights over a cross-group collective (daskwg.create_collective_group) --
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+        def send_weights(self, name):
+            from daskwg import collective
+
+            for t in self.weights.values():
+                collective.broadcast(t, 0, name)
+            return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        def receive_weights(self, name, nbytes, tensors):
+            from daskwg import collective
+
+            per = nbytes // tensors // 4
+            buffers = getattr(self, "received", None)
+            if buffers is None or len(buffers) != tensors or buffers[0].numel() != per:
+                buffers = self.received = [torch.empty(per) for _ in range(tensors)]
+            for t in buffers:
+                collective.broadcast(t, 0, name)
+            versions = {float(t[0]) for t in buffers} | {float(t[-1]) for t in buffers}
+            return (versions.pop() if len(versions) == 1 else None, sum(t.numel() * 4 for t in buffers))
+
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def drop(self):
-            self.weights = self.loaded = self.big = None
+            self.weights = self.loaded = self.big = self.received = None
 
     return RowsWorker
 
@@ -849,35 +872,30 @@ def ws_driver(system, trainer, rollout) -> list:
 
 
 def ws_collective(system, trainer, rollout) -> list:
-    """PLUG-IN POINT (issue 17): a torch broadcast over a collective spanning trainer rank 0
-    and the rollout ranks, declared by the driver (``ray.util.collective``'s shape).
-
-    Build the collective once (cache it on ``trainer``), have trainer rank 0 broadcast
-    its weights and the rollout ranks receive them (methods to add to
-    :func:`make_rows_class`), and return the rollout ranks' ``(version, bytes)`` as
-    ``load_weights`` does.
-    """
+    """A torch broadcast over a collective of trainer rank 0 and the rollout ranks, declared
+    by the driver (``daskwg.create_collective_group``, ``ray.util.collective``'s shape; built
+    in the warm-up repetition, then reused): trainer rank 0 broadcasts each tensor of its
+    state dict, every rollout rank receives into buffers of its own. Returns the rollout
+    ranks' ``(version, bytes)`` as ``load_weights`` does."""
     d = system.daskwg
-    names = ("create_collective_group", "init_collective_group", "collective_group", "CollectiveGroup")
-    found = [n for n in names if getattr(d, n, None) is not None]
-    if not found:
+    if getattr(d, "create_collective_group", None) is None:
         raise RouteUnavailable("this daskwg has no cross-group collective (issue 17)")
-    raise RouteUnavailable(
-        f"daskwg.{found[0]} exists, but this route is not wired to it yet: write ws_collective"
-    )
+    name = f"bench-weights-{trainer.name}"
+    collectives = system.__dict__.setdefault("collectives", {})
+    if name not in collectives:
+        collectives[name] = d.create_collective_group([(trainer, 0), rollout], name=name)
+    sent = trainer.send_weights(name)
+    received = rollout.receive_weights(name, WEIGHT_BYTES, WEIGHT_TENSORS)
+    d.get(sent)
+    return d.get(received)
 
 
 def ws_relay(system, trainer, rollout) -> list:
-    """PLUG-IN POINT (issue 17/21): a data-plane broadcast relayed between the rollout ranks
-    (a chain or tree of consumers, chunked), so the trainer sends the weights about once.
-
-    If the data plane relays a value consumed by many ranks by itself, the ``concat``
-    route measures it and this one stays n/a; if relaying takes its own call, write it
-    here and return the rollout ranks' ``(version, bytes)``.
-    """
-    raise RouteUnavailable(
-        "no explicit relayed broadcast in this daskwg (issue 17): the concat route is today's"
-    )
+    """A data-plane broadcast relayed between the rollout ranks. daskwg's data plane relays
+    a value that several ranks of one call take whole by itself (above
+    ``daskwg.relay-above``), so the ``future`` and ``concat`` routes measure it: their
+    trainer egress is the relay's. No call of its own to measure here."""
+    raise RouteUnavailable("the data plane relays by itself: the future and concat routes are relayed")
 
 
 WEIGHT_ROUTES = (

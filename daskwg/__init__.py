@@ -8,6 +8,7 @@ the method runs on every rank (execute) and the results are merged (collect).
 
 from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
 from .cluster import local_cluster
+from .collective import CollectiveGroup, create_collective_group
 from .colocate import create_colocated_worker_cls
 from .deadlines import deadline
 from .decorator import (
@@ -46,6 +47,7 @@ __all__ = [
     "BatchDimsError",
     "CallTimeoutError",
     "ClassWithInitArgs",
+    "CollectiveGroup",
     "ConcatError",
     "ConflictError",
     "DataProto",
@@ -68,6 +70,7 @@ __all__ = [
     "WorkerLostError",
     "WorkerPausedError",
     "WorldSizeError",
+    "create_collective_group",
     "create_colocated_worker_cls",
     "deadline",
     "get",

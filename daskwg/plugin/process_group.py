@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import collective
 from ..wire import Call
 
 __all__ = ["ProcessGroups", "ProcessGroupOwner"]
@@ -100,6 +101,7 @@ class ProcessGroups:
         Args:
             hosted: the ranks hosted here now, ``(group_id, rank) -> HostedRank``.
         """
+        collective.forget_group(group_id)  # the collectives its ranks here joined
         owner = self.owner
         if owner is None or owner.group_id != group_id or not (dist.is_available() and dist.is_initialized()):
             return

@@ -15,7 +15,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .. import serialization
+from .. import collective, serialization
 from ..futures import rows_of
 from ..protocol import DataProto, unpad_rows
 from ..wire import Call
@@ -96,6 +96,8 @@ class HostedRank:
             AttributeError: the instance has no such method.
             whatever the method raises.
         """
+        if call.method in collective.RANK_CALLS:  # joining or leaving a collective
+            return collective.rank_call(call.method, call.group_id, *args, **kwargs)
         try:
             method = getattr(self.instance, call.method)
         except AttributeError:

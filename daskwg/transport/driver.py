@@ -305,6 +305,9 @@ class Driver:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
                 orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+            # Groups are broken before any waiting thread sees a failed future.
+            for transport in list(self.transports):
+                transport.worker_lost(address, reason)
             # Results of non-blocking calls there fail as lost (their stream's close may
             # come late: a worker removed by the scheduler can still hold it open).
             owned = [f for f in orphans if self.owned.record(f) is not None]
@@ -322,8 +325,6 @@ class Driver:
                 ]
                 asyncio.ensure_future(losses.fail_futures(self.client, orphans, errors))
             self.paused.pop(address, None)
-            for transport in list(self.transports):
-                transport.worker_lost(address, reason)
         elif msg.get("action") == "worker-status-change":
             # Paused workers (memory above distributed.worker.memory.pause) start no
             # tasks, so calls on the task path wait; _gather says so instead of waiting
