@@ -155,7 +155,10 @@ def create_collective_group(
         TypeError: a member is not a worker group, or ``(group, ranks)`` pair.
         ValueError: no members, a rank out of range or named twice, two members on one
             worker process (one process can be one member: a GPU is one NCCL rank), a bad
-            backend or timeout, or the name already in use there (raised on the worker).
+            backend or timeout.
+        RankError: wrapping a ``ValueError``: the name is already in use on a member's
+            worker, or ``backend="nccl"`` where a member has no GPU (checked on every
+            member before any joins).
         GroupBrokenError: a member group was shut down or is broken.
         RankError, WorkerLostError, CallTimeoutError: as joining failed on a member (the
             members that joined leave again).
@@ -266,19 +269,27 @@ _joined: dict[str, _Member] = {}
 def rank_call(method: str, group_id: str, *args: Any) -> None:
     """Run a check, join or leave call on this rank (the host calls it for :data:`RANK_CALLS`)."""
     if method == CHECK:
-        _check(args[0].name)
+        _check(args[0].name, args[0].backend)
     elif method == JOIN:
         _join(group_id, *args)
     else:
         _leave(*args)
 
 
-def _check(name: str) -> None:
+def _check(name: str, backend: str | None = None) -> None:
     with _lock:
         if name in _joined:
             raise ValueError(
                 f"a collective named {name!r} already exists in this worker process: "
                 "destroy it first, or pick another name"
+            )
+    if backend == "nccl":
+        import torch
+        import torch.distributed as dist
+
+        if not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
+            raise ValueError(
+                "backend='nccl' needs a GPU and NCCL on every member; this worker has none: use 'gloo'"
             )
 
 
@@ -358,6 +369,40 @@ def get_collective_group_size(group_name: str) -> int:
     return _member(group_name).spec.world_size
 
 
+def _agree(member: _Member, what: str, tensor: Any, *extra: Any) -> None:
+    """Check that every member called ``what`` with the same shape, dtype and arguments
+    (one small all-gather first): gloo gives wrong values, or aborts the process, when they
+    differ. Raises ``ValueError`` on every member, naming this member's call."""
+    import zlib
+
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+    mine = f"{what} {tensor.dtype} {tuple(tensor.shape)} {extra}"
+    code = torch.tensor([zlib.crc32(mine.encode())], dtype=torch.int64)
+    codes = [torch.empty_like(code) for _ in range(member.spec.world_size)]
+    _wait(member, member.group.allgather([codes], [code]), what)
+    differ = [r for r, c in enumerate(codes) if int(c) != int(codes[0])]
+    if differ:
+        raise ValueError(
+            f"{what} on collective {member.spec.name!r}: members called it differently (collective ranks "
+            f"{differ} differ from rank 0); this member (rank {member.rank}) called {mine}: every member "
+            "must pass a tensor of the same shape and dtype, and the same src_rank / op"
+        )
+
+
+def _contiguous(tensor: Any, run: Any) -> Any:
+    """Run ``run`` on ``tensor``, or on a contiguous copy copied back (gloo reads and writes
+    a tensor's storage as if it were contiguous)."""
+    if tensor.is_contiguous():
+        return run(tensor)
+    dense = tensor.contiguous()
+    result = run(dense)
+    tensor.copy_(dense)
+    return result
+
+
 def _wait(member: _Member, work: Any, what: str) -> None:
     try:
         work.wait(datetime.timedelta(seconds=member.spec.timeout))
@@ -378,14 +423,16 @@ def allreduce(tensor: Any, group_name: str, op: Any = None) -> Any:
     Returns:
         ``tensor``, holding the reduction.
     Raises:
-        ValueError: not a member; RuntimeError: a member failed or the timeout passed.
+        ValueError: not a member, or members passed different shapes, dtypes or ops;
+            RuntimeError: a member failed or the timeout passed.
     """
     import torch.distributed as dist
 
     member = _member(group_name)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.SUM if op is None else op
-    _wait(member, member.group.allreduce([tensor], options), "allreduce")
+    _agree(member, "allreduce", tensor, "SUM" if op is None else getattr(op, "name", repr(op)))
+    _contiguous(tensor, lambda t: _wait(member, member.group.allreduce([t], options), "allreduce"))
     return tensor
 
 
@@ -400,8 +447,8 @@ def broadcast(tensor: Any, src_rank: int, group_name: str) -> Any:
     Returns:
         ``tensor``.
     Raises:
-        ValueError: not a member, or ``src_rank`` out of range; RuntimeError: a member
-            failed or the timeout passed.
+        ValueError: not a member, ``src_rank`` out of range, or members passed different
+            shapes, dtypes or ``src_rank``; RuntimeError: a member failed or the timeout passed.
     """
     import torch
     import torch.distributed as dist
@@ -409,12 +456,13 @@ def broadcast(tensor: Any, src_rank: int, group_name: str) -> Any:
     member = _member(group_name)
     if not 0 <= src_rank < member.spec.world_size:
         raise ValueError(f"src_rank {src_rank} is out of range 0..{member.spec.world_size - 1}")
-    if member.backend == "gloo" and tensor.is_contiguous() and tensor.nbytes >= CHAIN_ABOVE:
-        _chain_broadcast(member, tensor.view(-1).view(torch.uint8), src_rank)
+    _agree(member, "broadcast", tensor, src_rank)
+    if member.backend == "gloo" and tensor.nbytes >= CHAIN_ABOVE:
+        _contiguous(tensor, lambda t: _chain_broadcast(member, t.view(-1).view(torch.uint8), src_rank))
         return tensor
     options = dist.BroadcastOptions()
     options.rootRank = src_rank
-    _wait(member, member.group.broadcast([tensor], options), "broadcast")
+    _contiguous(tensor, lambda t: _wait(member, member.group.broadcast([t], options), "broadcast"))
     return tensor
 
 
@@ -448,6 +496,8 @@ def allgather(tensor: Any, group_name: str) -> list:
     import torch
 
     member = _member(group_name)
+    _agree(member, "allgather", tensor)
+    tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(member.spec.world_size)]
     _wait(member, member.group.allgather([out], [tensor]), "allgather")
     return out

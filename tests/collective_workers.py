@@ -52,6 +52,20 @@ class Member(Worker):
         collective.broadcast(t, src, name)
         return bool(torch.equal(t, torch.arange(elements, dtype=torch.float32)))
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def strided(self, name: str) -> tuple:
+        """All-reduce and broadcast of non-contiguous views (a column of a matrix)."""
+        me = collective.get_rank(name)
+        summed = torch.ones(4, 2)[:, 0]
+        collective.allreduce(summed, name)
+        sent = (torch.arange(8.0).reshape(4, 2) if me == 0 else torch.zeros(4, 2))[:, 0]
+        collective.broadcast(sent, 0, name)
+        return summed.tolist(), sent.tolist()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def sized_broadcast(self, name: str, elements: int) -> None:
+        collective.broadcast(torch.ones(elements), 0, name)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def is_member(self, name: str) -> bool:
         try:

@@ -64,6 +64,28 @@ def test_a_large_broadcast_goes_along_the_chain_of_members_from_any_source(group
             assert done == [[True, True], [True, True, True]]
 
 
+def test_non_contiguous_tensors_are_reduced_and_broadcast_as_the_views_they_are(groups):
+    _, a, b = groups
+    with daskwg.create_collective_group([a, b], name="strided"):
+        results = [r for part in daskwg.get([a.strided("strided"), b.strided("strided")]) for r in part]
+    assert results == [([5.0] * 4, [0.0, 2.0, 4.0, 6.0])] * 5
+
+
+@pytest.mark.parametrize("sizes", [(3, 5), (300_000, 200_000)], ids=["small", "chained"])
+def test_members_calling_an_operation_with_other_shapes_all_get_an_error_and_the_collective_goes_on(
+    groups, sizes
+):
+    _, a, b = groups
+    with daskwg.create_collective_group([a, b], name="shapes"):
+        calls = [a.sized_broadcast("shapes", sizes[0]), b.sized_broadcast("shapes", sizes[1])]
+        for future in [f for part in calls for f in part]:
+            with pytest.raises(RankError, match="members called it differently"):
+                daskwg.get(future)
+        # Nobody started the broadcast: the collective and the workers are still fine.
+        results = [r for part in daskwg.get([a.strided("shapes"), b.strided("shapes")]) for r in part]
+        assert results == [([5.0] * 4, [0.0, 2.0, 4.0, 6.0])] * 5
+
+
 def test_a_collective_of_trainer_rank_0_and_every_rollout_rank(groups):
     _, a, b = groups
     with daskwg.create_collective_group([(a, 0), b], name="weights") as weights:
