@@ -181,8 +181,10 @@ def test_a_rank_blocked_in_all_reduce_shows_its_stack_and_restart_recovers(hclie
         first_port = wg.init_process_group()[0]
         with pytest.raises(RankError, match="fails before the all-reduce"):
             wg.all_reduce_or_fail(failing_rank=0)
-        # Rank 1's call may still be on its way into the all-reduce on a loaded machine.
-        status = _wait_for_state(wg, lambda r: r["state"] != "queued")
+        # Rank 1's call may still be on its way into the all-reduce on a loaded machine
+        # (rank 0's error can reach the driver, and its status request rank 1's worker,
+        # before rank 1's worker has read its call: "idle", then "queued").
+        status = _wait_for_state(wg, lambda r: r["rank"] != 1 or r["state"] == "running")
         assert status[1]["state"] == "running" and status[1]["method"] == "all_reduce_or_fail"
         assert "all_reduce" in status[1]["stack"]
         assert "fails before the all-reduce" in status[0]["last_error"]

@@ -83,9 +83,11 @@ class DirectPath:
         """
         t0 = time.monotonic()
         refs = refs or [None] * len(calls)
+        loop = asyncio.get_running_loop()
+        sent = [loop.create_future() for _ in calls]
         tasks = [
-            asyncio.ensure_future(self._one(streams, c, p, r, relay_wait))
-            for c, p, r in zip(calls, payloads, refs)
+            asyncio.ensure_future(self._one(streams, c, p, r, relay_wait, s))
+            for c, p, r, s in zip(calls, payloads, refs, sent)
         ]
         lost = await self._wait(calls, tasks, limit, poll)
         for i in lost:
@@ -96,13 +98,18 @@ class DirectPath:
                 self.ranks.slots[calls[i].rank].server_id, calls[i].session, calls[i].seq
             )
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-        pending_calls = [
-            (c, t) for i, (c, t) in enumerate(zip(calls, tasks)) if not t.done() and i not in lost
-        ]
+        pending_index = [i for i, t in enumerate(tasks) if not t.done() and i not in lost]
+        pending_calls = [(calls[i], tasks[i]) for i in pending_index]
         for _, t in pending_calls:
             # They finish whenever the loop runs again; their error handling must still
             # run (e.g. giving up an undelivered call's place).
             t.add_done_callback(_consume_exception)
+        unsent = [sent[i] for i in pending_index if not sent[i].done()]
+        if unsent:
+            # A private loop stops when this returns: the other ranks' calls must be on
+            # their way first, or they would stay unsent (the rank idle, not in the
+            # call) until this thread's next call. Bounded: a worker may not be reading.
+            await asyncio.wait(unsent, timeout=max(grace, poll))
         # A private loop only runs while its thread is in a call, so its tasks cannot
         # tell when these ranks finish: ask their workers instead.
         pending = [
@@ -157,13 +164,14 @@ class DirectPath:
         payload: serialization.Packed,
         refs: list | None,
         relay_wait: float,
+        sent: asyncio.Future,
     ) -> Any:
         address = self.ranks.address(call.rank)
         message = wire.call_message(
             call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
         )
         try:
-            reply, buffers = await streams.request(address, call.worker_id, message, payload.buffers)
+            reply, buffers = await streams.request(address, call.worker_id, message, payload.buffers, sent)
         except OSError as exc:  # the stream closed, or could not be opened
             raise await self.failures.connection_lost(call.rank, exc) from None
         # A reply means the call has ended there (and, calls ending in order, every

@@ -165,8 +165,16 @@ class CallStreams:
         """:meth:`_Stream.post` on the stream to that worker process."""
         await self._stream(address, server_id).post(message)
 
-    async def request(self, address: str, server_id: str | None, message: tuple, buffers: list) -> tuple:
-        """Send a call and wait for its reply: ``(reply, buffers)``.
+    async def request(
+        self,
+        address: str,
+        server_id: str | None,
+        message: tuple,
+        buffers: list,
+        sent: asyncio.Future | None = None,
+    ) -> tuple:
+        """Send a call and wait for its reply: ``(reply, buffers)``; ``sent`` (if given)
+        is done once the call is written or its writing failed.
 
         Raises:
             OSError: the stream closed (a :class:`StreamClosed`) or could not be written.
@@ -181,7 +189,11 @@ class CallStreams:
             else:
                 future.set_result((reply, reply_buffers))
 
-        await self.send(address, server_id, message, buffers, on_reply)
+        try:
+            await self.send(address, server_id, message, buffers, on_reply)
+        finally:
+            if sent is not None and not sent.done():
+                sent.set_result(None)
         return await future
 
     def forget(self, address: str) -> None:
