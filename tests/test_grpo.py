@@ -148,6 +148,35 @@ def test_killed_worker_is_replaced_and_training_resumes_from_the_checkpoint(tmp_
     assert "weights identical on all 4 ranks" in proc.stdout
 
 
+@pytest.mark.timeout(900)
+def test_async_split_trains_one_version_behind_and_survives_a_killed_worker(tmp_path, cli_cluster6):
+    proc = run_example(
+        *short_run_args(
+            tmp_path,
+            *("--placement", "split", "--async", "--steps", "5", "--kill-worker-at-step", "4"),
+            *("--scheduler", cli_cluster6.address),
+        )
+    )
+    assert "groups rebuilt 1 time(s), resumed from step(s) [2]" in proc.stdout
+    # Kept steps 1-2 (staleness 0, 1); after the restart, step 3 is generated afresh (0)
+    # and steps 4-5 were generated during the step before (1, 1): the rollout started on
+    # the broken groups is dropped, not trained on.
+    assert (
+        "staleness (policy versions a batch is behind the actor it trains): mean 0.60, max 1" in proc.stdout
+    )
+    # The last sync reached the rollout ranks after the last generation ran.
+    assert "weights identical on all 6 ranks" in proc.stdout
+
+
+def test_async_needs_the_split_placement():
+    proc = subprocess.run([sys.executable, EXAMPLE, "--async"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert (
+        "--async overlaps the rollout with the update on separate ranks: it needs --placement split"
+        in proc.stderr
+    )
+
+
 def test_prompts_per_step_must_keep_prompt_groups_whole():
     proc = subprocess.run(
         [sys.executable, EXAMPLE, "--placement", "split", "--prompts-per-step", "6"],
