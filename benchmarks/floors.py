@@ -12,6 +12,8 @@ this machine for moving bytes between processes and for a round trip to 4 peers.
   connection, received with ``recv_into`` into a warm buffer (the loopback
   throughput) or into a fresh ``torch.empty`` (one point-to-point transfer of a new
   value, which is what a received tensor costs).
+* ``tcp_chain``: ``nbytes`` sent through a chain of peer processes, each forwarding
+  every 4 MiB as it arrives (a pipelined relay; the last peer acks).
 * ``socket_rtt``: 8 bytes sent to each of ``peers`` echo processes, then their 8
   bytes back (``TCP_NODELAY``): the least a call to ``peers`` ranks can cost.
 * ``dask_rpc``: a round trip of Dask's own comm (``ConnectionPool``, the driver's
@@ -160,6 +162,63 @@ def tcp_transfer(nbytes: int, reps: int, fresh: bool) -> list[float]:
     finally:
         sock.sendall(b"q")
         _close(procs, [sock], server)
+
+
+def _chain_link(queue, downstream: int | None, ack: int | None, nbytes: int, chunk: int) -> None:
+    """Peer of :func:`tcp_chain`: receive ``nbytes`` per repetition chunk by chunk into a
+    fresh buffer, forwarding each chunk downstream as it arrives; the last link acks."""
+    import numpy as np
+
+    server = _listener()
+    queue.put(server.getsockname()[1])
+    upstream, _ = server.accept()
+    out = _connect(downstream) if downstream is not None else None
+    back = _connect(ack) if ack is not None else None
+    try:
+        while True:
+            dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+            for start in range(0, nbytes, chunk):
+                piece = dst[start : min(start + chunk, nbytes)]
+                _recv_exact(upstream, piece)
+                if out is not None:
+                    out.sendall(piece)
+            if back is not None:
+                back.sendall(b"d")
+    except ConnectionError:
+        pass
+    for sock in (upstream, out, back, server):
+        if sock is not None:
+            sock.close()
+
+
+def tcp_chain(nbytes: int, hops: int, reps: int, chunk: int = 4 * MB) -> list[float]:
+    """``nbytes`` from this process through a chain of ``hops`` peer processes, each
+    receiving it into a fresh buffer and forwarding every ``chunk`` as it arrives: the
+    least a relayed or chained broadcast to ``hops`` receivers costs on this machine
+    (each byte crosses loopback ``hops`` times, on the machine's cores)."""
+    acks = _listener()
+    queue = _CTX.Queue()
+    procs, downstream = [], None
+    for i in reversed(range(hops)):
+        ack = acks.getsockname()[1] if i == hops - 1 else None
+        proc = _CTX.Process(target=_chain_link, args=(queue, downstream, ack, nbytes, chunk), daemon=True)
+        proc.start()
+        procs.append(proc)
+        downstream = queue.get(timeout=120)
+    head = _connect(downstream)
+    acks.settimeout(120)
+    back, _ = acks.accept()
+    buf = bytearray(b"\1" * nbytes)
+    done = bytearray(1)
+
+    def once():
+        head.sendall(buf)
+        _recv_exact(back, memoryview(done))
+
+    try:
+        return _repeat(once, reps)
+    finally:
+        _close(procs, [head, back], acks)
 
 
 def socket_rtt(peers: int, reps: int) -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import threading
 import types
 import warnings
 
@@ -102,6 +103,43 @@ def test_a_future_shorter_than_the_consuming_group_is_padded_as_the_same_rows_in
     finally:
         producers.shutdown()
         consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_futures_fed_to_calls_while_another_thread_makes_and_drops_results(plane):
+    # verl's one-step off-policy shape (examples/grpo.py --async): one thread's calls take
+    # futures while results are made, finish and are dropped by another thread's calls.
+    # The driver's shared records were iterated while the client's loop or the other
+    # thread changed them: "RuntimeError: dictionary changed size during iteration"
+    # (the result records, planning relays) and "Set changed size during iteration"
+    # (the futures in flight per worker, checking its queue's room).
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 2], Producer, Consumer)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def churn():
+        held = []
+        try:
+            while not stop.is_set():
+                held.append(producers.make(seed(4, 2)))
+                if len(held) > 300:
+                    del held[:100]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for i in range(60):
+            out = consumers.summary(producers.make(seed(8, 2)))
+            assert [o["ids"] for o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]], i
+    finally:
+        stop.set()
+        thread.join(60)
+        producers.shutdown()
+        consumers.shutdown()
+    assert not errors, errors
 
 
 # --------------------------------------------------------------------- lazy algebra

@@ -33,7 +33,7 @@ from ..futures import DataProtoFuture
 from ..wire import LazyArg, ResultRef
 from .driver import Driver
 
-__all__ = ["extract_futures", "plan_relays", "needs_dask", "source_of"]
+__all__ = ["extract_futures", "plan_relays", "ref_keys", "needs_dask", "source_of"]
 
 #: Items of a list, tuple or dict argument searched for futures (larger ones are not, and a
 #: future inside them is refused when the arguments are packed).
@@ -126,6 +126,19 @@ def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any
 def needs_dask(lazies: Sequence[list]) -> bool:
     """Whether some call's inputs hold Dask futures that Dask must resolve (the task path)."""
     return any(isinstance(v, Future) for lz in lazies for _, values in lz for v in values)
+
+
+def ref_keys(lazies: Sequence[list]) -> set[str]:
+    """The keys of the whole results (``ResultRef``) that ``lazies`` (per rank, its
+    ``(kind, values)`` list) take."""
+    return {
+        v.key
+        for lz in lazies
+        for kind, values in lz
+        if kind != wire.ROWS
+        for v in values
+        if isinstance(v, ResultRef)
+    }
 
 
 def plan_relays(

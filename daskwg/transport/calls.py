@@ -1,15 +1,19 @@
 """The driver's records of calls it sent that it still has to account for: a rank's call
 left running when its group broke (:class:`StuckCall`), a call it stopped waiting for
-(:class:`AbandonedCall`), and a task-path future (:class:`TaskCall`)."""
+(:class:`AbandonedCall`), a task-path future (:class:`TaskCall`), the unfinished
+futures sent to each worker process (:class:`Inflight`), and the thread-shared weak set
+these live in (:class:`SharedWeakSet`)."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from ..wire import Call
 
-__all__ = ["StuckCall", "AbandonedCall", "TaskCall"]
+__all__ = ["StuckCall", "AbandonedCall", "TaskCall", "Inflight", "SharedWeakSet"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,61 @@ class TaskCall:
     call: Call
     submitted: float
     paused_timeout: float
+
+
+class SharedWeakSet:
+    """A ``weakref.WeakSet`` that several threads share: calling threads add while the
+    client's loop iterates (a plain ``WeakSet`` then raises ``RuntimeError: Set changed
+    size during iteration``). Iterating gives a snapshot, taken under the set's lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, item: Any) -> None:
+        with self._lock:
+            self._items.add(item)
+
+    def discard(self, item: Any) -> None:
+        with self._lock:
+            self._items.discard(item)
+
+    def __iter__(self):
+        with self._lock:
+            snapshot = list(self._items)
+        return iter(snapshot)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class Inflight:
+    """Per worker process (server id), the driver's futures of calls sent there (weakly
+    held: a future the user dropped leaves by itself).
+
+    Calling threads add while the client's loop and other calling threads read: every
+    access takes one lock, as iterating a ``weakref.WeakSet`` another thread adds to
+    raises ``RuntimeError: Set changed size during iteration``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_server: dict[str, SharedWeakSet] = {}
+
+    def add(self, server_id: str, future: Any) -> None:
+        with self._lock:
+            futures = self._by_server.setdefault(server_id, SharedWeakSet())
+        futures.add(future)
+
+    def of(self, server_id: str) -> list:
+        """The futures sent to ``server_id`` that are still alive (a snapshot)."""
+        with self._lock:
+            futures = self._by_server.get(server_id)
+        return list(futures) if futures is not None else []
+
+    def pop(self, server_id: str) -> list:
+        """:meth:`of`, and forget them (their worker process is gone)."""
+        with self._lock:
+            futures = self._by_server.pop(server_id, None)
+        return list(futures) if futures is not None else []

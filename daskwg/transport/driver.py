@@ -27,7 +27,7 @@ from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
 from ..wire import Call, session_id
 from . import losses
-from .calls import AbandonedCall, StuckCall, TaskCall
+from .calls import AbandonedCall, Inflight, SharedWeakSet, StuckCall, TaskCall
 from .channel import Channel
 from .owned import Owned
 from .streams import CallStreams
@@ -92,7 +92,7 @@ class Driver:
         # counts from 0 again.
         self.next_seq: dict[str, int] = defaultdict(int)
         #: the transports of this driver's live groups (``worker_lost(address, reason)``, ``broken``).
-        self.transports: weakref.WeakSet = weakref.WeakSet()
+        self.transports = SharedWeakSet()
         self.watched: set[str] = set()
         self.server_ids: dict[str, set[str]] = defaultdict(set)
         #: server id -> when that worker process started (``WorkerSlot.started``)
@@ -114,7 +114,7 @@ class Driver:
         #: server id -> the highest sequence number of this driver's calls known to have
         #: ended there: calls end in order, so every earlier one has ended too.
         self.finished: dict[str, int] = {}
-        self.inflight: dict[str, weakref.WeakSet[Future]] = defaultdict(weakref.WeakSet)
+        self.inflight = Inflight()
         #: every task-path future of this driver -> its :class:`TaskCall`, while it lives.
         self.calls: weakref.WeakKeyDictionary[Future, TaskCall] = weakref.WeakKeyDictionary()
         self.paused_out: dict[str, WorkerPausedError] = {}
@@ -214,7 +214,7 @@ class Driver:
         self.lost[server_id] = reason
         self.suspects[server_id] = reason
         self.stream_epochs[server_id] = self.stream_epochs.get(server_id, 0) + 1
-        orphans = [f for f in self.inflight.pop(server_id, ()) if not f.done()]
+        orphans = [f for f in self.inflight.pop(server_id) if not f.done()]
         for future in orphans:
             entry = self.calls.get(future)
             if entry is not None:
@@ -304,7 +304,7 @@ class Driver:
             for sid in removed - newer:
                 self.lost[sid] = reason
                 self.lost_by_address[address].append(sid)
-                orphans += [f for f in self.inflight.pop(sid, ()) if not f.done()]
+                orphans += [f for f in self.inflight.pop(sid) if not f.done()]
             # Groups are broken before any waiting thread sees a failed future.
             for transport in list(self.transports):
                 transport.worker_lost(address, reason)
@@ -354,7 +354,7 @@ class Driver:
                 expired = [
                     f
                     for sid in list(self.server_ids.get(address, ()))
-                    for f in list(self.inflight.get(sid, ()))
+                    for f in self.inflight.of(sid)
                     if not f.done()
                     and f in self.calls
                     and self.owned.record(f) is None

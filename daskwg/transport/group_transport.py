@@ -23,7 +23,7 @@ from ..config import Settings
 from ..deadlines import current_limit
 from ..errors import DispatchError, WorkerGroupError
 from ..wire import Call
-from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays
+from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays, ref_keys
 from .direct import DirectPath
 from .driver import Driver, GroupRanks
 from .failures import FailureState
@@ -194,8 +194,9 @@ class GroupTransport:
         task_path = needs_dask(lazies)
         slots = [self.ranks.slots[r] for r in ranks]
         if any(lazies) and not task_path:
-            records = self.driver.owned.records
-            sizes = {k: r.nbytes for k, r in records.items() if r.nbytes is not None}
+            # Another thread's calls and the client's loop change the records meanwhile
+            # (with --async, a rollout's results finish while the trainer calls).
+            sizes = self.driver.owned.sizes(ref_keys(lazies))
             plan_relays(lazies, [s.address for s in slots], sizes, settings.relay_above)
         limit = current_limit(timeout, settings.call_timeout)
         failures, driver = self.failures, self.driver

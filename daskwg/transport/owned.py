@@ -172,6 +172,19 @@ class Owned:
         self.client.futures[key] = state
         return CallFuture(key, self.client)
 
+    def sizes(self, keys: Any) -> dict[str, int]:
+        """Bytes of those of ``keys`` whose results have finished (key -> bytes).
+
+        Safe from any thread: it looks keys up one by one, while the client's loop and
+        other calling threads add and drop records.
+        """
+        out = {}
+        for key in keys:
+            rec = self.records.get(key)
+            if rec is not None and rec.nbytes is not None:
+                out[key] = rec.nbytes
+        return out
+
     def record(self, future: Any) -> OwnedResult | None:
         """The record of one of these futures (``None`` for any other future)."""
         state = getattr(future, "_state", None)

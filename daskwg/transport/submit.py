@@ -72,7 +72,7 @@ class SubmitPath:
                 key = wire.task_key(ranks.name, call.method, call_no, call.rank, ranks.group_id)
                 future = driver.owned.create(call, key, ranks.address(call.rank), keep)
                 driver.calls[future] = TaskCall(call, now, settings.paused_timeout)
-                driver.inflight[ranks.slots[call.rank].server_id].add(future)
+                driver.inflight.add(ranks.slots[call.rank].server_id, future)
                 futures.append(future)
                 buffers = payload.buffers if big else [bytes(b) for b in payload.buffers]
                 message = wire.call_message(

@@ -95,7 +95,7 @@ class TaskPath:
                 future.add_done_callback(
                     functools.partial(self._skip_if_not_run, address, call.session, call.seq, call.worker_id)
                 )
-                driver.inflight[ranks.slots[call.rank].server_id].add(future)
+                driver.inflight.add(ranks.slots[call.rank].server_id, future)
                 futures.append(future)
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.

@@ -271,7 +271,7 @@ class Waiter:
         inflight = self.ranks.driver.inflight
         for slot in slots:
             while True:
-                pending = [f for f in list(inflight.get(slot.server_id, ())) if not self.done(f)]
+                pending = [f for f in inflight.of(slot.server_id) if not self.done(f)]
                 if len(pending) < most:
                     break
                 if limit is not None and limit.remaining() <= 0:
