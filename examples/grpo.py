@@ -805,6 +805,12 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         if not os.path.exists(os.path.join(args.checkpoint_dir, "policy.pt")):
             raise SystemExit(f"--resume: no checkpoint in {args.checkpoint_dir}; run without --resume first")
         step = restore(groups, args)
+        if step >= args.steps:
+            groups.shutdown()
+            raise SystemExit(
+                f"--resume: the checkpoint in {args.checkpoint_dir} is of step {step}, and --steps is "
+                f"{args.steps}: nothing to run; raise --steps to train on"
+            )
         history = History.load(args.checkpoint_dir, step)
         print(f"resumed from step {step} ({args.checkpoint_dir})")
     else:
@@ -982,7 +988,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-worker-at-step",
         type=int,
         metavar="K",
-        help="SIGKILL the worker of trainer rank 1 during step K",
+        help="SIGKILL the worker of trainer rank 1 (rank 0 with --world-size 1) during step K",
     )
     parser.add_argument(
         "--max-restarts", type=int, default=3, help="rebuild the groups at most this often (default 3)"
@@ -991,7 +997,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recover-timeout",
         type=float,
         default=300.0,
-        help="seconds to wait for workers to come back (default 300)",
+        help="seconds to wait for the workers, at the start and to come back (default 300)",
     )
     parser.add_argument(
         "--final-window",
@@ -1008,6 +1014,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the PNG (default examples/out/grpo.png)",
     )
     args = parser.parse_args(argv)
+    for option, least in (
+        ("prompts_per_step", 1),
+        ("n", 1),
+        ("hidden", 1),
+        ("ppo_epochs", 1),
+        ("final_window", 1),
+        ("checkpoint_every", 0),
+        ("max_restarts", 0),
+    ):
+        if getattr(args, option) < least:
+            parser.error(
+                f"--{option.replace('_', '-')} must be at least {least}, got {getattr(args, option)}"
+            )
     sizes = [args.world_size] + ([args.rollout_world_size] if args.placement == "split" else [])
     for size in sizes:
         if size < 1:
@@ -1023,8 +1042,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--async overlaps the rollout with the update on separate ranks: it needs --placement split"
         )
-    if args.kill_worker_at_step is not None and args.kill_worker_at_step < 1:
-        parser.error("--kill-worker-at-step counts steps from 1")
+    if args.kill_worker_at_step is not None and not 1 <= args.kill_worker_at_step <= args.steps:
+        parser.error(f"--kill-worker-at-step counts steps from 1 to --steps ({args.steps})")
     return args
 
 
@@ -1081,16 +1100,45 @@ def local_cluster_process(n_workers: int, timeout: float = 600.0):
                 proc.kill()
 
 
+def connect(address: str, timeout: float = 60.0):
+    """A ``Client`` of the scheduler at ``address``; ``SystemExit`` if it cannot be reached
+    within ``timeout`` seconds."""
+    from dask.distributed import Client
+
+    try:
+        return Client(address, timeout=timeout)
+    except OSError as exc:
+        raise SystemExit(f"could not reach the Dask scheduler at {address} (--scheduler): {exc}") from None
+
+
+def wait_for_workers(client, n_workers: int, timeout: float) -> None:
+    """Wait until the cluster has ``n_workers`` workers, saying so; ``SystemExit`` after
+    ``timeout`` seconds, with how many came."""
+    have = len(client.nthreads())
+    if have < n_workers:
+        print(f"waiting for {n_workers} Dask workers ({have} connected)...", flush=True)
+    try:
+        client.wait_for_workers(n_workers, timeout=timeout)
+    except TimeoutError:
+        raise SystemExit(
+            f"only {len(client.nthreads())} of the {n_workers} Dask workers this placement needs joined "
+            f"{client.scheduler.address} within {timeout:g} s (--recover-timeout): start more workers "
+            "(one thread each) or lower --world-size / --rollout-world-size"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dask.distributed import Client
+    # SIGTERM (a job scheduler's stop, a timeout) unwinds like Ctrl-C, so the local
+    # cluster started below is stopped instead of left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     n_workers = args.world_size + (args.rollout_world_size if args.placement == "split" else 0)
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         address = args.scheduler or stack.enter_context(local_cluster_process(n_workers))
-        client = stack.enter_context(Client(address, timeout=600))
-        client.wait_for_workers(n_workers, timeout=600)
+        client = stack.enter_context(connect(address))
+        wait_for_workers(client, n_workers, args.recover_timeout)
         status = fit(client, args)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return status

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,11 +72,16 @@ def run_one(placement: str, seed: int, extra: list[str], directory: str, timeout
         *extra,
     ]
     t0 = time.perf_counter()
+    # A session of its own: on a timeout, the run and the cluster it started go together.
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        output, status = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        output, _ = proc.communicate(timeout=timeout)
+        status: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        _stop_session(proc)
+        output, _ = proc.communicate()
         status = f"timed out after {timeout:.0f} s"
     record = {"placement": placement, "seed": seed, "status": status, "seconds": time.perf_counter() - t0}
     for key, pattern in _PATTERNS.items():
@@ -85,6 +91,21 @@ def run_one(placement: str, seed: int, extra: list[str], directory: str, timeout
     if status != 0:
         record["tail"] = "\n".join(output.strip().splitlines()[-5:])
     return record
+
+
+def _stop_session(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the run's whole session (``grpo.py`` stops its cluster on it), SIGKILL
+    whatever is left after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def table(records: list[dict], placements: list[str], seeds: list[int], min_reward: float) -> str:
@@ -117,7 +138,7 @@ def _median(records, key: str, fmt: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="default 0-4")
     parser.add_argument(
         "--placements",
@@ -133,6 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    ours = (
+        "--seed",
+        "--placement",
+        "--async",
+        "--kill-worker-at-step",
+        "--out",
+        "--checkpoint-dir",
+        "--min-reward",
+    )
+    taken = [a for a in extra if a.split("=", 1)[0] in ours]
+    if taken:
+        parser.error(f"{taken[0].split('=', 1)[0]} is set per run by the matrix (use --seeds, --placements)")
     extra += ["--min-reward", str(args.min_reward)]
     cells = [(p, s) for p in args.placements for s in args.seeds]
     start = time.perf_counter()

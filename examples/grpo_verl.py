@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -134,19 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         if not any(a == option or a.startswith(option + "=") for a in argv):
             argv += [option, os.path.join("examples", "out", name)]
     args = grpo.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the local cluster started below is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.kill_worker_at_step is not None:
         raise SystemExit(
             "--kill-worker-at-step: verl's trainer does not recover from a lost worker; run examples/grpo.py"
         )
     args.max_restarts = 0
-    from dask.distributed import Client
 
     n_workers = args.world_size + (args.rollout_world_size if args.placement == "split" else 0)
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         address = args.scheduler or stack.enter_context(grpo.local_cluster_process(n_workers))
-        client = stack.enter_context(Client(address, timeout=600))
-        client.wait_for_workers(n_workers, timeout=600)
+        client = stack.enter_context(grpo.connect(address))
+        grpo.wait_for_workers(client, n_workers, args.recover_timeout)
         status = grpo.fit(client, args, build=build_groups)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return status

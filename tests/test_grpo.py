@@ -177,6 +177,28 @@ def test_async_needs_the_split_placement():
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n", "0"], "--n must be at least 1, got 0"),
+        (["--prompts-per-step", "0"], "--prompts-per-step must be at least 1, got 0"),
+        (["--hidden", "0"], "--hidden must be at least 1, got 0"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be at least 0, got -1"),
+        (["--max-restarts", "-1"], "--max-restarts must be at least 0, got -1"),
+        (["--final-window", "0"], "--final-window must be at least 1, got 0"),
+        (
+            ["--kill-worker-at-step", "50", "--steps", "5"],
+            "--kill-worker-at-step counts steps from 1 to --steps (5)",
+        ),
+    ],
+)
+def test_values_no_run_can_use_are_refused_before_a_cluster_starts(args, message):
+    # Found by a new user: each of these started the cluster, then failed inside a step
+    # (or, for the last three, ran without saying the value did nothing).
+    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
 def test_prompts_per_step_must_keep_prompt_groups_whole():
     proc = subprocess.run(
         [sys.executable, EXAMPLE, "--placement", "split", "--prompts-per-step", "6"],
