@@ -32,6 +32,7 @@ from daskwg import (
     WorkerLostError,
     WorldSizeError,
 )
+from daskwg.plugin.ports import EPHEMERAL_RANGE, port_range, reserve_port
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -328,6 +329,47 @@ def test_two_groups_cannot_share_an_explicit_master_port(client4):
     with WorkerGroup(client4, FaultWorker, world_size=2, master_port=port) as first:
         assert first.master_addr_port[1] == port
         with pytest.raises(OSError, match=f"MASTER_PORT {port} is already used by another worker group"):
+            WorkerGroup(client4, FaultWorker, world_size=2, master_port=port)
+
+
+def test_free_master_ports_are_drawn_below_the_kernels_ephemeral_range(client4):
+    # Seen in CI: a MASTER_PORT the kernel picked (port 0) was taken by some connection's own
+    # end before rank 0's init_process_group bound it (EADDRINUSE). Ports below the
+    # ephemeral range are never handed out by the kernel.
+    with open(EPHEMERAL_RANGE) as f:
+        ephemeral = int(f.read().split()[0])
+    first, last = port_range()
+    assert last < ephemeral
+    for _ in range(3):
+        with WorkerGroup(client4, FaultWorker, world_size=2) as wg:
+            assert first <= wg.master_addr_port[1] <= last
+
+
+def test_master_port_range_bounds_the_ports_reserved_and_says_when_it_is_full():
+    reserved: set[int] = set()
+    first = free_port()
+    with dask_config({"daskwg.master-port-range": f"{first}:{first}"}):
+        assert reserve_port("tcp://127.0.0.1:1", reserved, None) == first
+        with pytest.raises(OSError, match=f"could not find a free port .* {first}:{first}"):
+            reserve_port("tcp://127.0.0.1:1", reserved, None)
+    for bad in ("29500", "29600:29500", "a:b", "0:10"):
+        with dask_config({"daskwg.master-port-range": bad}), pytest.raises(ValueError, match="first:last"):
+            port_range()
+
+
+def test_an_explicit_master_port_held_on_any_address_is_refused_before_rank_zero_binds(client4):
+    # TCPStore listens on every address; a port held only on another one still fails there.
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 sockets on this machine")
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            busy.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"MASTER_PORT {port} is already in use"):
             WorkerGroup(client4, FaultWorker, world_size=2, master_port=port)
 
 

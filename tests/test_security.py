@@ -174,6 +174,17 @@ def test_gloo_all_gather_rendezvous_over_ipv6(ipv6_client):
         wg.destroy()
 
 
+def test_a_master_port_held_on_ipv4_is_refused_for_an_ipv6_group(ipv6_client):
+    # The CI failure behind this: a port free on ::1 but held on 0.0.0.0 was reserved, and
+    # rank 0's TCPStore (listening on every address) failed with EADDRINUSE.
+    with socket.socket(socket.AF_INET) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"MASTER_PORT {port} is already in use on ::1"):
+            WorkerGroup(ipv6_client, AddWorker, world_size=2, master_port=port)
+
+
 # ---- two drivers on one cluster -------------------------------------------------------
 
 
