@@ -86,6 +86,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -1057,25 +1058,35 @@ def local_cluster_process(n_workers: int, timeout: float = 600.0):
     itself receives (an in-process ``LocalCluster`` would add the scheduler's and nannies'
     traffic). On GPUs, start ``dask cuda worker`` yourself and pass ``--scheduler``.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
     exe = shutil.which("dask", path=os.path.dirname(sys.executable))
     dask_cli = [exe] if exe else [sys.executable, "-m", "dask"]
     common = ["--dashboard-address", ":0"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    # The scheduler picks its own port and writes its address to a scheduler file (a port
+    # picked here and released could be taken before the scheduler binds it).
+    files = tempfile.mkdtemp(prefix="grpo-cluster-")
+    scheduler_file = os.path.join(files, "scheduler.json")
     procs = [
         subprocess.Popen(
-            [*dask_cli, "scheduler", "--host", "127.0.0.1", "--port", str(port), *common], **quiet
-        )
-    ]
-    procs.append(
+            [
+                *dask_cli,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--scheduler-file",
+                scheduler_file,
+                *common,
+            ],
+            **quiet,
+        ),
         subprocess.Popen(
             [
                 *dask_cli,
                 "worker",
-                address,
+                "--scheduler-file",
+                scheduler_file,
                 "--nworkers",
                 str(n_workers),
                 "--nthreads",
@@ -1085,9 +1096,22 @@ def local_cluster_process(n_workers: int, timeout: float = 600.0):
                 *common,
             ],
             **quiet,
-        )
-    )
+        ),
+    ]
+    address = None
+    deadline = time.monotonic() + 60.0
+    while address is None and procs[0].poll() is None and time.monotonic() < deadline:
+        try:
+            with open(scheduler_file) as f:
+                address = json.load(f)["address"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
     try:
+        if address is None:
+            raise SystemExit(
+                f"the local dask scheduler did not start within 60 s (exit code {procs[0].poll()}); "
+                "run `dask scheduler` yourself to see why, and pass its address with --scheduler"
+            )
         print(f"local cluster of {n_workers} workers (dask scheduler + dask worker) at {address}")
         yield address
     finally:
@@ -1098,6 +1122,7 @@ def local_cluster_process(n_workers: int, timeout: float = 600.0):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        shutil.rmtree(files, ignore_errors=True)
 
 
 def connect(address: str, timeout: float = 60.0):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ import time
 import dask.config
 import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+
+from daskwg.plugin.ports import reserve_port
 
 # Worker processes import the test modules' Worker classes by reference.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -98,9 +99,9 @@ def gpu_spec_cluster(devices: list[str], **worker_options) -> SpecCluster:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every address, below the kernel's ephemeral range (as daskwg draws
+    MASTER_PORTs), so no connection's own end takes it before the server binds it."""
+    return reserve_port("tcp://127.0.0.1:0", set(), None)
 
 
 def dask_cli() -> list[str]:
