@@ -52,6 +52,13 @@ class Channel:
             for comms in (*self.pool.available.values(), *self.pool.occupied.values()):
                 for comm in list(comms):
                     comm.abort()
+            # Let the tasks still on the loop (its streams' readers) end before it closes,
+            # instead of asyncio's "Task was destroyed but it is pending".
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks and not self.loop.is_running():
+                self.loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
             self.loop.close()
         except Exception:  # noqa: BLE001 - best effort at garbage collection
             pass
