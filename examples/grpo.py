@@ -105,6 +105,11 @@ ANSWER_TOKENS = 11  # what the policy emits: digits 0-9 and <eos> (index 10 stan
 MAX_RESPONSE_LEN = 3  # two digits and <eos>
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 rank"``, ``"4 ranks"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def make_prompts(n_prompts: int, step: int, seed: int, dataproto: type = DataProto) -> DataProto:
     """The prompts of one step, the same for a given ``(seed, step)`` (so a resumed run
     sees the prompts the interrupted one would have), as a ``dataproto`` (daskwg's, or
@@ -819,10 +824,11 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         for name in ("policy.pt", "history.json"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(args.checkpoint_dir, name))
+    workers = len(set(groups.actor.workers + groups.rollout.workers))
     print(
-        f"placement {args.placement}: actor on {groups.actor.world_size} ranks, "
-        f"rollout on {groups.rollout.world_size} ranks, {len(set(groups.actor.workers + groups.rollout.workers))} "
-        f"Dask workers, gradients all-reduced over {groups.backend}"
+        f"placement {args.placement}: actor on {plural(groups.actor.world_size, 'rank')}, "
+        f"rollout on {plural(groups.rollout.world_size, 'rank')}, {plural(workers, 'Dask worker')}, "
+        f"gradients all-reduced over {groups.backend}"
     )
     kill_at = args.kill_worker_at_step
     steps_run = 0
@@ -842,8 +848,18 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
                 metrics, ahead = run_step(client, groups, step, args, kill, ahead)
             except WorkerGroupError as exc:
                 ahead = None  # a rollout started on the broken groups
-                if len(history.restarts) >= args.max_restarts or not caused_by_lost_worker(groups, exc):
+                if not caused_by_lost_worker(groups, exc):
                     raise
+                if len(history.restarts) >= args.max_restarts:
+                    # Name the cause: the error that arrived first may be a surviving peer's
+                    # collective failing (a gloo RankError), not the lost worker itself.
+                    groups.shutdown()
+                    raise SystemExit(
+                        f"step {step + 1}: a worker was lost ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                        f"the groups were rebuilt {len(history.restarts)} time(s) of --max-restarts "
+                        f"{args.max_restarts}, so the run stops here. --resume continues from the last "
+                        f"checkpoint in {args.checkpoint_dir}"
+                    ) from exc
                 bar.write(f"step {step + 1}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
                 groups = rebuild_groups(client, groups, args, build)
                 step = restore(groups, args)
@@ -900,7 +916,7 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
     if len(set(checksums)) != 1:
         print(f"ERROR: the ranks' weights differ after training: {checksums}", file=sys.stderr)
         return 1
-    print(f"weights identical on all {len(checksums)} ranks (sha256 {checksums[0][:16]}...)")
+    print(f"weights identical on all {plural(len(checksums), 'rank')} (sha256 {checksums[0][:16]}...)")
     if final < args.min_reward:
         print(f"ERROR: final mean reward {final:.4f} is below {args.min_reward}", file=sys.stderr)
         return 1

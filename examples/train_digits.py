@@ -127,6 +127,11 @@ class DigitsTrainer(daskwg.Worker):
             dist.destroy_process_group()
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 rank"``, ``"4 ranks"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def load_split(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The 1797 8x8 digits, pixels scaled to [0, 1], split 80/20 (stratified, seeded)."""
     from sklearn.datasets import load_digits
@@ -166,7 +171,9 @@ def train(client, args: argparse.Namespace) -> int:
     trainer = daskwg.ClassWithInitArgs(DigitsTrainer, hidden=args.hidden, lr=args.lr, seed=args.seed)
     with daskwg.WorkerGroup(client, trainer, world_size=args.world_size) as wg:
         backends = wg.init_model()
-        print(f"{wg.world_size} ranks on {len(set(wg.workers))} Dask workers, backend {backends[0]}")
+        print(
+            f"{plural(wg.world_size, 'rank')} on {plural(len(set(wg.workers)), 'Dask worker')}, backend {backends[0]}"
+        )
         # In a log (not a terminal) refresh rarely, so the bar does not flood it.
         refresh_s = 0.1 if sys.stderr.isatty() else 5.0
         bar = tqdm(total=args.epochs * steps_per_epoch, unit="step", file=sys.stderr, mininterval=refresh_s)
@@ -201,7 +208,7 @@ def train(client, args: argparse.Namespace) -> int:
         shown = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(checksums))
         print(f"ERROR: the ranks' weights differ after training:\n{shown}", file=sys.stderr)
         return 1
-    print(f"weights identical on all {len(checksums)} ranks (sha256 {checksums[0][:16]}...)")
+    print(f"weights identical on all {plural(len(checksums), 'rank')} (sha256 {checksums[0][:16]}...)")
     if accuracy < args.min_accuracy:
         print(f"ERROR: test accuracy {accuracy:.4f} is below {args.min_accuracy}", file=sys.stderr)
         return 1

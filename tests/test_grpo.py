@@ -168,6 +168,24 @@ def test_async_split_trains_one_version_behind_and_survives_a_killed_worker(tmp_
     assert "weights identical on all 6 ranks" in proc.stdout
 
 
+@pytest.mark.timeout(900)
+def test_a_lost_worker_past_max_restarts_is_named_as_the_cause(tmp_path, cli_cluster6):
+    # Seen: --max-restarts 0 --async with a killed worker ended on a surviving rank's gloo
+    # RankError (the first error to arrive), not on the lost worker.
+    args = short_run_args(
+        tmp_path,
+        *("--placement", "split", "--async", "--steps", "3", "--kill-worker-at-step", "2"),
+        *("--max-restarts", "0", "--scheduler", cli_cluster6.address),
+    )
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--min-reward", "0", *args], capture_output=True, text=True, timeout=840
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-5000:]
+    assert "step 2: a worker was lost (" in proc.stderr
+    assert "rebuilt 0 time(s) of --max-restarts 0, so the run stops here" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_async_needs_the_split_placement():
     proc = subprocess.run([sys.executable, EXAMPLE, "--async"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
