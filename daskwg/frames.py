@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from distributed.comm.core import CommClosedError
 
+from .buffers import receive_buffer
+
 __all__ = ["FrameStream"]
 
 _HEAD = struct.Struct("<QI")  # bytes of the message's pickle, number of buffers
@@ -95,7 +97,7 @@ class FrameStream:
                     offset += size
             else:
                 for size in sizes:
-                    buffer = np.empty(size, dtype=np.uint8)
+                    buffer = receive_buffer(size)
                     if size:
                         await stream.read_into(memoryview(buffer))
                     buffers.append(buffer)

@@ -98,6 +98,28 @@ class Member(Worker):
         """This rank's shard of ``w`` (rows ``4*rank..4*rank+3``), as FSDP holds it."""
         return {"w": torch.arange(8.0)[4 * self.rank : 4 * self.rank + 4]}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def big_weights(self, version: float, nbytes: int) -> dict:
+        """A state dict of ``nbytes`` (two tensors of different sizes), all ``version``."""
+        first = nbytes * 3 // 8 // 4
+        return {"a": torch.full((first,), version), "b": torch.full((nbytes // 4 - first,), version)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def keep_weights(self, weights: dict, version: float) -> dict:
+        """Check and keep ``weights`` (dropping the last ones), then change them in place:
+        returns whether every element was ``version`` and where the tensors' memory is."""
+        ok = all(bool((t == version).all()) for t in weights.values())
+        self.kept = weights
+        for t in weights.values():
+            t.add_(100.0)  # must reach no other rank
+        return {"ok": ok, "memory": sorted(t.data_ptr() for t in weights.values())}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tcp_sent(self) -> int:
+        from plane_workers import tcp_bytes_sent
+
+        return tcp_bytes_sent()
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, weights) -> dict:
         """What arrived: a state dict, or a list of shards joined here."""

@@ -15,6 +15,16 @@ from daskwg import DataProto, Dispatch, Worker, register
 def tcp_bytes_received() -> int:
     """Bytes this process received over all its TCP sockets (Linux ``TCP_INFO``
     ``tcpi_bytes_received``), whatever library read them."""
+    return _tcp_info_total(128)
+
+
+def tcp_bytes_sent() -> int:
+    """Bytes this process sent (and had acknowledged) over all its open TCP sockets
+    (``tcpi_bytes_acked``)."""
+    return _tcp_info_total(120)
+
+
+def _tcp_info_total(offset: int) -> int:
     import psutil
 
     total = 0
@@ -32,7 +42,7 @@ def tcp_bytes_received() -> int:
         finally:
             sock.detach()
         if len(info) >= 136:
-            total += struct.unpack_from("Q", info, 128)[0]
+            total += struct.unpack_from("Q", info, offset)[0]
     return total
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import distributed
 import pytest
 from collective_workers import Member
 from conftest import process_cluster
@@ -167,6 +168,29 @@ def test_a_replicated_state_dict_future_reaches_every_rollout_rank_as_the_value(
 def test_a_sharded_state_dict_reaches_every_rollout_rank_as_its_shards_worker_to_worker(groups):
     _, trainer, rollout = groups
     assert rollout.load_weights(trainer.get_shard()) == [{"shards": 2, "w": W}] * 3
+
+
+def test_a_large_state_dict_is_relayed_sent_once_and_arrives_into_the_last_syncs_buffers(groups):
+    # Above daskwg.relay-above (1 MiB) the rollout ranks relay the weights along a chain: the
+    # trainer's worker sends them once, not once per rollout rank. Each rank receives into
+    # memory of its own (its in-place change reaches no other rank), and once a rank dropped
+    # a sync's weights their buffers wait in daskwg.buffer-pool for a later sync.
+    _, trainer, rollout = groups
+    nbytes = 8 << 20
+    memory = []
+    for version in (1.0, 2.0, 3.0):
+        weights = trainer.big_weights(version, nbytes)[0]
+        distributed.wait([weights])
+        before = trainer.tcp_sent()[0]
+        got = rollout.keep_weights(weights, version)
+        sent = trainer.tcp_sent()[0] - before
+        assert [g["ok"] for g in got] == [True] * 3, version
+        assert nbytes <= sent < 1.5 * nbytes, f"sync {version}: trainer rank 0 sent {sent} bytes"
+        memory.append([g["memory"] for g in got])
+    # Sync 2 arrived while each rank still held sync 1 (fresh buffers); keeping sync 2 dropped
+    # sync 1, whose buffers sync 3 then arrived into.
+    assert memory[2] == memory[0]
+    assert all(m1 != m0 for m1, m0 in zip(memory[1], memory[0])), memory
 
 
 def test_weights_in_the_wrong_wrapper_are_refused_with_what_to_pass_instead(groups):

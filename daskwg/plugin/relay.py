@@ -34,6 +34,7 @@ from distributed.core import Status
 from distributed.protocol import to_serialize
 
 from .. import serialization
+from ..buffers import receive_buffer
 from ..errors import WorkerLostError
 from ..wire import ResultRef
 from .exceptions import picklable
@@ -168,7 +169,7 @@ class Relays:
                 raise meta["exception"]
             if replica.buffers is None:
                 replica.header = meta["header"]
-                replica.buffers = [np.empty(n, dtype=np.uint8) for n in meta["sizes"]]
+                replica.buffers = [receive_buffer(n) for n in meta["sizes"]]
                 replica.notify()
             await self._receive(comm, replica)
             clean = True
