@@ -47,7 +47,10 @@ def _limit() -> int:
     if value == "auto":
         from distributed import Worker
 
-        workers = list(Worker._instances)  # the Dask workers in this process
+        try:
+            workers = list(Worker._instances)  # the Dask workers in this process
+        except RuntimeError:  # one was being added or removed meanwhile
+            return 0
         if not workers:
             return 0
         limits = [getattr(w.memory_manager, "memory_limit", None) for w in workers]
