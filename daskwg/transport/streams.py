@@ -146,6 +146,11 @@ class CallStreams:
             self._epoch[key] = epoch
         return stream
 
+    def is_open(self, address: str, server_id: str | None) -> bool:
+        """Whether a call stream to that worker process is open (readable from any thread)."""
+        stream = self._streams.get((address, server_id))
+        return stream is not None and stream.frames is not None and not stream.closed
+
     def _drop(self, key: tuple[str, str | None], stream: _Stream) -> None:
         if self._streams.get(key) is stream:
             del self._streams[key]

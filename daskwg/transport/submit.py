@@ -29,6 +29,10 @@ from .owned import CallFuture
 __all__ = ["SubmitPath"]
 
 
+#: Seconds a non-blocking call waits for a call stream being opened to take its messages.
+OPENING_WAIT = 10.0
+
+
 class SubmitPath:
     """Sends one group's non-blocking calls.
 
@@ -84,15 +88,25 @@ class SubmitPath:
                     pickle.dumps(call_refs) if call_refs else None,
                 )
                 messages.append((message, buffers))
-            written = threading.Event() if big else None
+            # Wait until the messages are written when they are large (they are not copied)
+            # or when a stream must be opened first: a driver that closes its client right
+            # after queuing calls (a script's last lines) would otherwise stop the client's
+            # loop while the connection is still being made, and the calls never leave.
+            # On open streams the write runs before anything the caller does next on the loop.
+            # Waiting for a stream to open is bounded by OPENING_WAIT.
+            opening = any(not driver.streams.is_open(ranks.address(c.rank), c.worker_id) for c in calls)
+            written = threading.Event() if big or opening else None
             ranks.client.loop.add_callback(self._send_all, calls, messages, written)
         except BaseException:
             # Calls that were never sent must not hold up later ones on their workers.
             for call in calls:
                 ranks.client.loop.add_callback(self._skip, call)
             raise
-        if written is not None:
+        if big:
             written.wait()
+        elif written is not None:
+            # Bounded: a worker that cannot be reached fails these futures, not this call.
+            written.wait(OPENING_WAIT)
         return futures
 
     def _send_all(self, calls: list[Call], messages: list, written: threading.Event | None) -> None:
