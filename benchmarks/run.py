@@ -643,15 +643,26 @@ def chain6_ordinary(system, wg, seed) -> Any:
     return fut.get()
 
 
-def chain6_plan(system, wg, seed) -> Any:
-    """PLUG-IN POINT (issue 22): the same 6 calls recorded once as a step plan and replayed.
+_PLANS: dict[tuple[str, int], Any] = {}  # (route, id of the group) -> its recorded step
 
-    Record :func:`chain6_ordinary`'s calls with ``seed`` as the step's input and return
-    the replayed step's gathered output (a DataProto with ``loss``).
-    """
+
+def chain6_plan(system, wg, seed) -> Any:
+    """The same 6 calls recorded once as a ``daskwg.plan`` (the step's input: the batch) and
+    replayed; returns the replayed step's gathered output (a DataProto with ``loss``)."""
     if getattr(system.daskwg, "plan", None) is None:
         raise RouteUnavailable("this daskwg has no daskwg.plan (issue 22)")
-    raise RouteUnavailable("daskwg.plan exists, but this route is not wired to it yet: write chain6_plan")
+    step = _PLANS.get(("chain6", id(wg)))
+    if step is None:
+        with system.daskwg.plan("chain6") as step:
+            fut = wg.generate(step.input("batch"))
+            for stage in (wg.reward, wg.advantage, wg.log_prob, wg.ref_log_prob, wg.update):
+                fut = stage(fut)
+            step.output(fut)
+        _PLANS[("chain6", id(wg))] = step
+    out = step.run(batch=seed).get()
+    if step.route != "one message per worker":
+        raise AssertionError(f"the chain6 plan replayed {step.route}")
+    return out
 
 
 def row_chain6(r: Rows) -> None:
@@ -689,15 +700,25 @@ def seq_ordinary(system, wg, reps: int) -> list[float]:
 
 
 def seq_plan(system, wg, reps: int) -> list[float]:
-    """PLUG-IN POINT (issue 22): :func:`seq_ordinary`'s 8 calls as one recorded step plan.
-
-    Record the 8 ``tick`` calls once (per-rank input ``[0] * 4``), then time ``reps``
-    replays (after one warm-up), check each gives ``[8] * 4`` and return the seconds
-    per call (replay time / 8).
-    """
+    """:func:`seq_ordinary`'s 8 calls recorded once as a ``daskwg.plan`` (per-rank input
+    ``[0] * 4``), replayed ``reps`` times after one warm-up, each checked to give ``[8] * 4``;
+    returns the seconds per call (replay time / 8)."""
     if getattr(system.daskwg, "plan", None) is None:
         raise RouteUnavailable("this daskwg has no daskwg.plan (issue 22)")
-    raise RouteUnavailable("daskwg.plan exists, but this route is not wired to it yet: write seq_plan")
+    n = wg.world_size
+    with system.daskwg.plan("seq8") as step:
+        xs = step.input("xs")
+        for _ in range(SEQ_CALLS):
+            xs = wg.tick(xs)
+        step.output(xs)
+
+    def once():
+        _expect(list(step.run(xs=[0] * n)), [SEQ_CALLS] * n, "tick plan")
+
+    once()
+    if step.route != "one message per worker":
+        raise AssertionError(f"the seq8 plan replayed {step.route}")
+    return [t / SEQ_CALLS for t in timeit(once, reps)]
 
 
 def seq_compiled_graph(system, wg, reps: int) -> list[float]:

@@ -36,6 +36,7 @@ from .errors import (
 )
 from .futures import DataProtoFuture
 from .group import WorkerGroup
+from .plans import PlanValue, StepPlan, plan
 from .pool import ResourcePool
 from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
 from .resolve import get
@@ -61,8 +62,10 @@ __all__ = [
     "Execute",
     "GroupBrokenError",
     "MetaInfoConflictError",
+    "PlanValue",
     "RankError",
     "ResourcePool",
+    "StepPlan",
     "VersionMismatchError",
     "Worker",
     "WorkerGroup",
@@ -77,6 +80,7 @@ __all__ = [
     "local_cluster",
     "make_nd_compute_dataproto_dispatch_fn",
     "pad_dataproto_to_divisor",
+    "plan",
     "register",
     "register_dispatch_mode",
     "unpad_dataproto",

@@ -19,6 +19,7 @@ from typing import Any
 
 from distributed import Future
 
+from . import plans
 from .decorator import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
 from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank, dispatch_all_to_all, dispatch_one_to_all
 from .errors import DispatchError
@@ -124,6 +125,9 @@ class BoundGroup:
     def _call_registered(
         self, method_name: str, registered: RegisteredMethod, *args: Any, **kwargs: Any
     ) -> Any:
+        step = plans.recording()
+        if step is not None:  # inside daskwg.plan(): recorded, run when the step is replayed
+            return step.record(self, method_name, registered, args, kwargs)
         fns = self._dispatch_fns(registered)
         self._check_usable(method_name)
         try:
@@ -172,6 +176,11 @@ class BoundGroup:
             GroupBrokenError, WorkerLostError: the group is not usable.
             AttributeError: the class has no such method.
         """
+        if check and plans.recording() is not None:
+            raise RuntimeError(
+                f"{self._name}.{method_name}: a step plan records the group's registered methods, not "
+                "execute_* calls or shutdown; make this call outside the with daskwg.plan() block"
+            )
         if check:
             self._check_usable(method_name)
             if method_name not in self._methods and not hasattr(self._cls, method_name):

@@ -28,6 +28,7 @@ __all__ = [
     "PARTS",
     "VALUE",
     "Call",
+    "Slot",
     "LazyArg",
     "PartInfo",
     "ResultRef",
@@ -37,6 +38,7 @@ __all__ = [
     "of_client",
     "check_format",
     "call_message",
+    "plan_message",
     "reply_message",
 ]
 
@@ -44,7 +46,7 @@ __all__ = [
 #: below, the handlers' arguments and answers). Raise it with any change a worker of the
 #: previous release could misread; the ``__init__`` call of every group carries the
 #: driver's, and a worker with another refuses to build the rank.
-WIRE_FORMAT = 1
+WIRE_FORMAT = 2
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
@@ -242,6 +244,36 @@ def call_message(
     ``LazyArg`` (``None``: none). The id is the stream's to set.
     """
     return ("call", 0, call.to_wire(), header, key, inline, relay_wait, refs)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """In a step plan's arguments (``daskwg.plan``): the output of the ``index``-th call of
+    the same ``("plan", ...)`` message, on the same rank, handed over in the worker's process.
+
+    Attributes:
+        index: the producing call's position in the message.
+        rows: the reader is a ``DP_COMPUTE_PROTO`` call of a ``DP_COMPUTE_PROTO`` output: it
+            must have as many rows as the producing call's input had (each stage keeps its
+            rows), which is when the rank's own part is what the call without a plan gets.
+    """
+
+    index: int
+    rows: bool = False
+
+
+def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:
+    """One replay of a step plan on one worker, on its call stream, the arguments' buffers
+    beside it: ``("plan", id, entries, arguments' pickle header, inline)``.
+
+    ``entries``: per call, in the driver's order, ``(call fields, key, keep, uses)``: ``key``
+    the call's future (``None``: none), ``keep`` whether its result stays on the worker under
+    ``key``, ``uses`` how many later calls of the message read it (:class:`Slot`); the
+    arguments: the pickled list of every call's ``(args, kwargs)``. The reply's header is the
+    pickled list of per call ``(status, nbytes, error, result header, result buffer count)``,
+    the results' buffers beside it, in order. The id is the stream's to set.
+    """
+    return ("plan", 0, entries, header, inline)
 
 
 def reply_message(

@@ -13,7 +13,7 @@ from conftest import dask_cli, free_port, wait_for_workers
 from distributed import Client
 from hang_workers import HangWorker
 
-from daskwg import VersionMismatchError, WorkerGroup
+from daskwg import VersionMismatchError, WorkerGroup, wire
 from daskwg.install import version_of
 
 TESTS_DIR = os.path.dirname(__file__)
@@ -126,7 +126,7 @@ def test_a_worker_speaking_another_wire_format_refuses_to_build_the_rank(cli):
             WorkerGroup(client, HangWorker, workers=[plain])
     finally:
         client.run(_speak_wire_format, None, workers=[plain])
-    assert "the driver speaks daskwg wire format 1" in str(info.value)
+    assert f"the driver speaks daskwg wire format {wire.WIRE_FORMAT}" in str(info.value)
     assert "this worker wire format 0" in str(info.value)
     with WorkerGroup(client, HangWorker, workers=[plain]) as wg:
         assert len(wg.pid()) == 1

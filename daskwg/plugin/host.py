@@ -52,6 +52,7 @@ from .calls import CallTable, status_records
 from .exceptions import earlier_process_error, picklable, rank_error, unpickling_error
 from .inputs import Inputs
 from .interfaces import socket_ifname_env
+from .planned import PlanRunner
 from .ports import reserve_port
 from .process_group import ProcessGroups
 from .rank import HostedRank, ProcessEnv, snapshot, strip_padding
@@ -101,6 +102,7 @@ class HostPlugin(WorkerPlugin):
         self.results = ResultStore(worker, self._sequencer.seen)
         relays = Relays(worker, self.results)
         self._inputs = Inputs(worker, self.results, relays)
+        self._plans = PlanRunner(self)
         self.results.install()
         relays.install()
         handlers = {
@@ -274,7 +276,7 @@ class HostPlugin(WorkerPlugin):
 
     async def _handle_stream(self, comm: Any) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
-        return await stream.serve(comm, self.run, self.results.free)
+        return await stream.serve(comm, self.run, self.results.free, self._plans.run)
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
         """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as

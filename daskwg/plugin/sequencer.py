@@ -48,12 +48,13 @@ class Sequencer:
         self.progress[session] = seq
 
     def submit(
-        self, session: str, seq: int, fn: Callable[[], Any], outlives: bool = False
+        self, session: str, seq: int, fn: Callable[[], Any], outlives: bool = False, span: int = 1
     ) -> ConcurrentFuture:
         """Run ``fn`` on the thread once call ``seq`` of driver ``session`` has its turn;
         returns the future of its result (failed at once for a departed driver, unless
         the call ``outlives`` it: a call of a detached group, which runs as a detached Ray
-        actor's queued tasks do; or for a number that came twice)."""
+        actor's queued tasks do; or for a number that came twice). ``fn`` takes the places
+        ``seq`` to ``seq + span - 1`` (a step plan's calls on this worker, run in one turn)."""
         result: ConcurrentFuture = ConcurrentFuture()
         with self._lock:
             if session in self._released and not outlives:
@@ -72,7 +73,7 @@ class Sequencer:
                 return result
             # A call the driver gave up on (skip) may still arrive; then it runs.
             state.skipped.discard(seq)
-            state.pending[seq] = (fn, result)
+            state.pending[seq] = (fn, result, span)
             self._release(state)
         return result
 
@@ -109,10 +110,12 @@ class Sequencer:
                 # Through the thread too, so progress never runs ahead of a call still running.
                 self._executor.submit(self._done, state.session, seq)
             elif seq in state.pending:
-                fn, result = state.pending.pop(seq)
+                fn, result, span = state.pending.pop(seq)
                 self._executor.submit(
-                    _run_into, fn, result, functools.partial(self._done, state.session, seq)
+                    _run_into, fn, result, functools.partial(self._done, state.session, seq + span - 1)
                 )
+                state.next_seq += span
+                continue
             else:
                 return
             state.next_seq += 1

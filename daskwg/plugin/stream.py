@@ -30,12 +30,19 @@ __all__ = ["serve"]
 logger = logging.getLogger(__name__)
 
 
-async def serve(comm: Any, run: Callable[..., Awaitable[tuple]], free: Callable[[list], None]) -> Any:
+async def serve(
+    comm: Any,
+    run: Callable[..., Awaitable[tuple]],
+    free: Callable[[list], None],
+    run_plan: Callable[..., Awaitable[list]],
+) -> Any:
     """Serve one call stream until the driver closes it.
 
     Args:
         comm: the stream's comm (the handler's first argument).
         run: the host's ``run(call, payload, refs, key, inline, relay_wait)``.
+        run_plan: ``PlanRunner.run(entries, payload, inline)`` (a step plan's replay,
+            :func:`daskwg.wire.plan_message`).
         free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
             of them before the scheduler heard of them).
     Returns:
@@ -50,6 +57,8 @@ async def serve(comm: Any, run: Callable[..., Awaitable[tuple]], free: Callable[
             break
         if message[0] == "call":
             asyncio.ensure_future(_one(frames, lock, message, buffers, run))
+        elif message[0] == "plan":
+            asyncio.ensure_future(_plan(frames, lock, message, buffers, run_plan))
         elif message[0] == "free":
             free(list(message[2]))
         else:
@@ -79,6 +88,38 @@ async def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers:
     async with lock:
         try:
             await frames.write(reply, [] if result is None else result.buffers)
+        except OSError:
+            pass  # the driver is gone; kept results stay until it is released
+
+
+async def _plan(
+    frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, run_plan: Any
+) -> None:
+    _, cid, entries, header, inline = message
+    try:
+        outcomes = await run_plan(entries, serialization.Packed(header, buffers), inline)
+    except asyncio.CancelledError:
+        return  # the worker is closing: the driver sees the stream close
+    except Exception as exc:  # noqa: BLE001 - run_plan answers its own errors; this is a defect
+        logger.exception("daskwg call stream: a step plan failed outside the host")
+        outcomes = [("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None)] * len(entries)
+    del buffers
+    records, out_buffers = [], []
+    for status, nbytes, error, result in outcomes:
+        records.append(
+            (
+                status,
+                nbytes,
+                None if error is None else _pickled(error),
+                None if result is None else result.header,
+                0 if result is None else len(result.buffers),
+            )
+        )
+        if result is not None:
+            out_buffers.extend(result.buffers)
+    async with lock:
+        try:
+            await frames.write(reply_message(cid, "plan", None, None, pickle.dumps(records)), out_buffers)
         except OSError:
             pass  # the driver is gone; kept results stay until it is released
 

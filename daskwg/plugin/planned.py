@@ -1,0 +1,171 @@
+"""A replayed step plan's part on this worker (``daskwg.plan``): :class:`PlanRunner`.
+
+One ``("plan", ...)`` message on a driver's call stream (:func:`daskwg.wire.plan_message`)
+carries every call that one replay of a step makes on this worker's ranks, in the driver's
+order, under consecutive sequence numbers of the driver's session. They take their place
+in that order as one item and run in one turn of the host thread: each call as an ordinary
+call runs (the rank's environment, ``status()``, metrics, errors shaped for the driver), and
+the output of one call that a later call on the same rank reads (a
+:class:`daskwg.wire.Slot` among its arguments) is handed over in this process, never sent
+anywhere. One reply goes back when the last of them has run.
+
+A call whose input failed fails with that input's error; the other calls still run, as
+ordinary calls with independent inputs do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from .. import foreign, serialization
+from ..errors import RankError
+from ..futures import rows_of
+from ..wire import Call, Slot
+from .exceptions import picklable, unpickling_error
+
+__all__ = ["PlanRunner"]
+
+
+class PlanRunner:
+    """Runs the step plans that arrive at one worker.
+
+    Args:
+        host: the worker's ``HostPlugin`` (its sequencer, call table, result store and
+            the ``_execute_counted`` that runs one call on the host thread).
+    """
+
+    def __init__(self, host: Any):
+        self.host = host
+
+    async def run(self, entries: list[tuple], payload: serialization.Packed, inline: int) -> list[tuple]:
+        """Run one replay's calls on this worker; returns per call ``(status, nbytes, error,
+        result)`` as ``HostPlugin.run`` does (``result``: the snapshot to send back, or ``None``).
+
+        Args:
+            entries: per call ``(call fields, key, result, uses)``: ``result`` ``"keep"`` (the
+                result stays here under ``key``, the key of its future in the driver),
+                ``"return"`` (it goes back with the reply) or ``"none"``; ``uses``: how many
+                later calls here read it.
+            payload: the calls' ``(args, kwargs)``, pickled together, in order.
+            inline: bytes up to which a kept result comes back with the reply as well.
+        """
+        host = self.host
+        calls = [Call(*e[0]) for e in entries]
+        try:
+            payloads = serialization.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
+            for call in calls:
+                host._sequencer.skip(call.session, call.seq)
+            error = unpickling_error(calls[0], host.address, exc)
+            return [("error", None, error, None)] * len(calls)
+        del payload
+        for call, (_, key, result, _uses) in zip(calls, entries):
+            if result == "keep":
+                host.results.expect(key, call.session)
+        first = calls[0]
+        with host._hosted_lock:
+            hosted = host._hosted.get((first.group_id, first.rank))
+        host.calls.queue(first)
+        cfut = host._sequencer.submit(
+            first.session,
+            first.seq,
+            functools.partial(self._execute, calls, entries, payloads),
+            outlives=hosted is not None and hosted.detached,
+            span=len(calls),
+        )
+        del payloads
+        try:
+            outcomes = await asyncio.wrap_future(cfut)
+        except BaseException as exc:  # noqa: BLE001 - refused: a departed driver, a number twice
+            host.calls.dequeue(first)
+            outcomes = [(False, picklable(exc))] * len(calls)
+        replies = []
+        for (_, key, result, _uses), (ok, value) in zip(entries, outcomes):
+            if not ok:
+                if result == "keep":
+                    host.results.fail(key, value)
+                replies.append(("error", None, value, None))
+            elif result == "keep":
+                host.results.put(key, value)
+                small = value.nbytes <= inline and not value.buffers  # batches stay here
+                replies.append(("OK", value.nbytes, None, value if small else None))
+            elif result == "return":
+                replies.append(("OK", value.nbytes, None, value))
+            else:  # a result nobody reads again: only that the call ended goes back
+                replies.append(("OK", 0, None, None))
+        return replies
+
+    def _execute(self, calls: list[Call], entries: list[tuple], payloads: list) -> list[tuple]:
+        """On the host thread: every call in turn; per call ``(ok, snapshot or error)``."""
+        host = self.host
+        held: dict[int, tuple] = {}  # index -> (snapshot or error, uses left, rows of its input)
+        outcomes: list[tuple] = []
+        for i, (call, entry) in enumerate(zip(calls, entries)):
+            _, _key, result, uses = entry
+            args, kwargs = payloads[i]
+            payloads[i] = None
+            try:
+                args = tuple(self._take(a, held, call) for a in args)
+                kwargs = {k: self._take(v, held, call) for k, v in kwargs.items()}
+            except BaseException as exc:  # noqa: BLE001 - an input's own error, or a shape check
+                outcomes.append((False, exc))
+                held[i] = (exc, uses, None)
+                continue
+            rows_in = _rows_in(args, kwargs)
+            box = [(args, kwargs)]
+            del args, kwargs
+            try:
+                packed = host._execute_counted(call, box, None, True)
+            except BaseException as exc:  # noqa: BLE001 - shaped by _execute for the driver
+                outcomes.append((False, picklable(exc)))
+                held[i] = (exc, uses, None)
+                continue
+            if uses:
+                held[i] = (packed, uses, rows_in, result != "none")
+            outcomes.append((True, packed))
+        return outcomes
+
+    def _take(self, value: Any, held: dict, call: Call) -> Any:
+        if not isinstance(value, Slot):
+            return value
+        stored, uses, rows_in, *kept = held[value.index]
+        if isinstance(stored, BaseException):
+            raise stored
+        uses -= 1
+        if uses:
+            held[value.index] = (stored, uses, rows_in, *kept)
+        else:
+            del held[value.index]
+        # The last reader of a result that neither stays nor goes back uses it in place;
+        # any other reader gets its own.
+        out = serialization.loads(stored, copy=bool(uses or (kept and kept[0])))
+        if value.rows and _rows(out) != rows_in:
+            problem = ValueError(
+                f"the call before {call.method!r} on rank {call.rank} returned {_rows(out)} rows for an input "
+                f"of {rows_in}: a step plan passes a DP_COMPUTE_PROTO output on to the next DP_COMPUTE_PROTO "
+                "call rank by rank, which is what the calls without a plan do only while every stage keeps "
+                "its rows; record this step with daskwg.plan(compiled=False), or keep each stage's rows"
+            )
+            raise RankError(call.rank, self.host.address, call.method, "", problem)
+        return out
+
+
+def _rows_in(args: tuple, kwargs: dict) -> int | None:
+    """Rows of the call's first batch argument (``None``: it has none)."""
+    for value in (*args, *kwargs.values()):
+        rows = _rows(value)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _rows(value: Any) -> int | None:
+    """Rows of a batch (daskwg's or verl's ``DataProto``, a ``TensorDict``); ``None`` for anything else."""
+    if foreign.is_verl_dataproto(value):
+        return len(value)
+    try:
+        return rows_of(value)
+    except TypeError:
+        return None

@@ -1,0 +1,361 @@
+"""The plan path: one replay of a step plan (``daskwg.plan``) sent as one message per worker.
+
+:class:`PlanPath` numbers every call of the replay in one go (so each worker's calls have
+consecutive sequence numbers, and no other thread's call comes between them), groups the
+calls by worker process, packs each worker's arguments once and writes one
+:func:`daskwg.wire.plan_message` on that worker's call stream. The calls whose results the
+driver sees get :class:`~daskwg.transport.owned.CallFuture`\\ s, settled from the one reply:
+with the submit path's errors (a rank that raised gives its ``RankError``, a stream that
+closed a ``WorkerLostError``), so waiting on them is waiting on ordinary non-blocking calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .. import forensics, serialization, wire
+from ..config import Settings
+from ..deadlines import Limit
+from ..errors import GroupBrokenError
+from ..wire import Call, Slot
+from .driver import Driver, TaskCall
+from .failures import TRANSFER_ERRORS, transfer_error
+from .owned import CallFuture
+from .submit import OPENING_WAIT
+from .waiting import timeout_error
+
+__all__ = ["PlanEntry", "PlanPath", "Replay"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlanEntry:
+    """One call of a replay on one rank.
+
+    Attributes:
+        transport: the rank's group's ``GroupTransport``.
+        rank: the rank.
+        method: the method.
+        call_number: the driver's number of the group call this is a rank's part of (keys).
+        payload: ``(args, kwargs)``; a :class:`~daskwg.wire.Slot` among them names the
+            entry (its index in the replay) whose output it is, on the same rank.
+        result: what becomes of its result: ``"keep"`` (it stays on the worker under the key
+            of a future the driver gets), ``"return"`` (it comes back with the reply, as a
+            blocking call's does) or ``"none"`` (only that the call ended comes back).
+    """
+
+    transport: Any
+    rank: int
+    method: str
+    call_number: int
+    payload: tuple
+    result: str
+
+
+class PlanPath:
+    """Sends the replays of step plans of one driver.
+
+    Args:
+        driver: the driver (one per client).
+    """
+
+    def __init__(self, driver: Driver):
+        self.driver = driver
+
+    def send(self, entries: list[PlanEntry], settings: Settings) -> Replay:
+        """Send one replay; returns its :class:`Replay` (per entry kept, a future).
+
+        Arguments of at most ``daskwg.scatter-above`` bytes are copied, larger ones written
+        before this returns, so changing them afterwards changes nothing the ranks get.
+        """
+        driver = self.driver
+        slots = [e.transport.ranks.slots[e.rank] for e in entries]
+        session, seqs = driver.numbered([s.server_id for s in slots])
+        calls = [
+            Call(
+                session,
+                seq,
+                e.transport.ranks.group_id,
+                e.transport.ranks.name,
+                e.rank,
+                e.method,
+                e.transport.ranks.owner,
+                slot.server_id,
+            )
+            for e, seq, slot in zip(entries, seqs, slots)
+        ]
+        by_worker: dict[tuple[str, str | None], list[int]] = {}
+        for i, slot in enumerate(slots):
+            by_worker.setdefault((slot.address, slot.server_id), []).append(i)
+        now = time.monotonic()
+        replay = Replay(entries, calls, len(by_worker), self.driver)
+        futures, keys = replay.futures, replay.keys
+        batches = []
+        try:
+            for (address, server_id), indices in by_worker.items():
+                local = {i: j for j, i in enumerate(indices)}
+                uses = [0] * len(indices)
+                payloads = []
+                for i in indices:
+                    args, kwargs = entries[i].payload
+                    args = tuple(_local(a, local, uses) for a in args)
+                    kwargs = {k: _local(v, local, uses) for k, v in kwargs.items()}
+                    payloads.append((args, kwargs))
+                wire_entries = []
+                for j, i in enumerate(indices):
+                    e, call = entries[i], calls[i]
+                    if e.result == "keep":
+                        ranks = e.transport.ranks
+                        keys[i] = wire.task_key(ranks.name, e.method, e.call_number, e.rank, ranks.group_id)
+                        futures[i] = driver.owned.create(call, keys[i], address)
+                        driver.calls[futures[i]] = TaskCall(call, now, settings.paused_timeout)
+                        driver.inflight.add(server_id, futures[i])
+                    wire_entries.append((call.to_wire(), keys[i], e.result, uses[j]))
+                packed = serialization.dumps(payloads, arguments=True)
+                message = wire.plan_message(wire_entries, packed.header, settings.inline_results)
+                batches.append((address, server_id, indices, message, packed))
+            big = any(p.nbytes > settings.scatter_above for *_, p in batches)
+            batches = [
+                (a, s, ix, m, p.buffers if big else [bytes(b) for b in p.buffers])
+                for a, s, ix, m, p in batches
+            ]
+            opening = any(not driver.streams.is_open(a, s) for a, s, *_ in batches)
+            written = threading.Event() if big or opening else None
+            client = entries[0].transport.ranks.client
+            client.loop.add_callback(self._send_all, replay, batches, written)
+        except BaseException:
+            # Calls that were never sent must not hold up later ones on their workers.
+            for e, call in zip(entries, calls):
+                e.transport.ranks.client.loop.add_callback(e.transport.submit._skip, call)
+            raise
+        if big:
+            written.wait()
+        elif written is not None:
+            written.wait(OPENING_WAIT)  # bounded: an unreachable worker fails the futures
+        return replay
+
+    def _send_all(self, replay: Replay, batches: list, written: Any) -> None:
+        remaining = [len(batches)]
+
+        def one_written() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and written is not None:
+                written.set()
+
+        for address, server_id, indices, message, buffers in batches:
+            batch = _Batch(address, server_id, indices, replay)
+            asyncio.ensure_future(self._one(batch, message, buffers, one_written))
+
+    async def _one(self, batch: _Batch, message: tuple, buffers: list, written: Any) -> None:
+        try:
+            await self.driver.streams.send(
+                batch.address, batch.server_id, message, buffers, functools.partial(self._reply, batch)
+            )
+        except OSError as exc:  # the stream closed, or could not be opened
+            await self._lost(batch, exc)
+        finally:
+            written()
+
+    def _reply(self, batch: _Batch, reply: Any, buffers: list) -> None:
+        if isinstance(reply, BaseException):
+            asyncio.ensure_future(self._lost(batch, reply))
+            return
+        replay, owned = batch.replay, self.driver.owned
+        self.driver.note_finished(batch.server_id, replay.calls[batch.indices[-1]].seq)
+        records = pickle.loads(reply[5])
+        start, failed = 0, []
+        for i, (status, nbytes, error, header, count) in zip(batch.indices, records):
+            result_buffers, start = buffers[start : start + count], start + count
+            key, entry, call = replay.keys[i], replay.entries[i], replay.calls[i]
+            if status == "OK":
+                if key is not None:
+                    owned.finished(
+                        key, nbytes, None if header is None else serialization.Packed(header, result_buffers)
+                    )
+                elif entry.result == "return":
+                    replay.values[i] = serialization.Packed(header, result_buffers)
+            elif status == "cancelled":
+                if key is not None:
+                    owned.cancelled(key)
+                replay.errors[i] = GroupBrokenError(f"the call of {call.method!r} was cancelled")
+            else:
+                try:
+                    exc = pickle.loads(error)
+                except TRANSFER_ERRORS as unpickling:
+                    exc = transfer_error(call.rank, batch.address, call.method, unpickling)
+                failed.append((i, exc))
+        if failed:
+            asyncio.ensure_future(self._failed(batch, failed))
+        else:
+            replay.replied(batch.indices)
+
+    async def _failed(self, batch: _Batch, failed: list) -> None:
+        replay = batch.replay
+        for i, exc in failed:
+            call = replay.calls[i]
+            error = await replay.entries[i].transport.failures.response_error(call, exc)
+            if replay.keys[i] is not None:
+                self.driver.owned.failed(replay.keys[i], error)
+            elif not replay.blocking:
+                logger.info(
+                    "step plan: %s.%s rank %d failed: %s", call.group_name, call.method, call.rank, error
+                )
+            replay.errors[i] = error
+        replay.replied(batch.indices)
+
+    async def _lost(self, batch: _Batch, exc: BaseException) -> None:
+        replay = batch.replay
+        for i in batch.indices:
+            error = await replay.entries[i].transport.failures.connection_lost(replay.calls[i].rank, exc)
+            if replay.keys[i] is not None:
+                self.driver.owned.failed(replay.keys[i], error)
+            replay.errors.setdefault(i, error)
+        replay.replied(batch.indices)
+
+
+class Replay:
+    """What the driver knows of one replay of a step plan, as its workers reply.
+
+    Attributes:
+        entries, calls: the replay's entries and their calls, in the driver's order.
+        futures: per entry, its future (the ``"keep"`` ones), else ``None``.
+        keys: the futures' keys.
+        values: entry index -> the result that came back (``"return"`` entries).
+        errors: entry index -> the error its call failed with.
+        blocking: a caller waits for the whole replay (:meth:`wait`).
+    """
+
+    def __init__(self, entries: list[PlanEntry], calls: list[Call], batches: int, driver: Driver):
+        self.entries = entries
+        self.calls = calls
+        self.futures: list[CallFuture | None] = [None] * len(entries)
+        self.keys: list[str | None] = [None] * len(entries)
+        self.values: dict[int, serialization.Packed] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.blocking = False
+        self.driver = driver
+        self._waiting = batches
+        self._cond = threading.Condition()
+        self._replied: set[int] = set()
+
+    def replied(self, indices: list[int]) -> None:
+        """The reply of the worker of these entries is in (the client's loop)."""
+        with self._cond:
+            self._replied.update(indices)
+            self._waiting -= 1
+            self._cond.notify_all()
+
+    def wait(self, limit: Limit | None, settings: Settings, name: str) -> None:
+        """Until every worker replied. A failed call raises: the first in the driver's order,
+        once every worker replied or ``daskwg.rank-failure-grace`` after the first failure
+        (the others' may still come), as a group call raises its first rank's error.
+
+        Raises:
+            RankError, WorkerLostError, GroupBrokenError: a call failed.
+            CallTimeoutError: ``limit`` passed first (the report names the calls still running).
+        """
+        t0 = time.monotonic()
+        failed_at = None
+        transports = {id(e.transport): e.transport for e in self.entries}
+        try:
+            while True:
+                with self._cond:
+                    if self.errors and failed_at is None:
+                        failed_at = time.monotonic()
+                    if self._waiting <= 0 or (
+                        failed_at is not None and time.monotonic() - failed_at >= settings.rank_failure_grace
+                    ):
+                        if self.errors:
+                            raise self.errors[min(self.errors)]
+                        if self._waiting <= 0:
+                            return
+                    wait_s = settings.poll_interval
+                    if limit is not None:
+                        wait_s = min(wait_s, limit.remaining())
+                    if wait_s > 0:
+                        self._cond.wait(wait_s)
+                for transport in transports.values():
+                    transport.failures.check_scheduler()
+                if limit is not None and limit.remaining() <= 0 and self._waiting > 0:
+                    raise self._timeout_error(limit, time.monotonic() - t0, settings, name)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            self._abandon("interrupted")
+            raise
+
+    def _unfinished(self) -> list[int]:
+        """Entries of the workers that have not replied."""
+        return [i for i in range(len(self.entries)) if i not in self._replied]
+
+    def _abandon(self, why: str) -> None:
+        by_transport: dict[int, tuple[Any, list[Call]]] = {}
+        for i in self._unfinished():
+            entry = self.entries[i]
+            by_transport.setdefault(id(entry.transport), (entry.transport, []))[1].append(self.calls[i])
+        for transport, calls in by_transport.values():
+            transport.failures.abandon_calls(calls, why)
+
+    def _timeout_error(self, limit: Limit, waited: float, settings: Settings, name: str) -> BaseException:
+        unfinished = self._unfinished()
+        self._abandon("deadline")
+        first = self.entries[unfinished[0]].transport
+        candidates: dict[int, list[Call]] = {}
+        for i in unfinished:
+            if self.entries[i].transport is first:
+                candidates.setdefault(self.calls[i].rank, []).append(self.calls[i])
+        client = first.ranks.client
+        return client.sync(
+            _timeout_error, first.ranks, client.rpc, candidates, limit, waited, settings.status_timeout
+        )
+
+
+async def _timeout_error(
+    ranks: Any,
+    rpc: Any,
+    candidates: dict[int, list[Call]],
+    limit: Limit,
+    waited: float,
+    status_timeout: float,
+) -> BaseException:
+    """:func:`~daskwg.transport.waiting.timeout_error` of the calls the ranks are running
+    (per rank, the one of its unfinished ``candidates`` its worker runs, else the first)."""
+    addresses = {rank: ranks.address(rank) for rank in candidates}
+    answers = await forensics.query_status(rpc, list(set(addresses.values())), status_timeout)
+    chosen = []  # (not running, rank, call): the report names the first one's method
+    for rank, mine in candidates.items():
+        answer = answers.get(addresses[rank])
+        running = set()
+        if not isinstance(answer, str) and answer is not None:
+            running = {(r.get("session"), r.get("seq")) for r in answer if r.get("state") == "running"}
+        call = next((c for c in mine if (c.session, c.seq) in running), None)
+        chosen.append((call is None, rank, call or mine[0]))
+    calls = [call for *_, call in sorted(chosen, key=lambda t: t[:2])]
+    return await timeout_error(ranks, rpc, calls, set(), limit, waited, status_timeout)
+
+
+@dataclass
+class _Batch:
+    """One worker's part of a replay: its entries' indices, and the replay's records."""
+
+    address: str
+    server_id: str | None
+    indices: list[int]
+    replay: Replay
+
+
+def _local(value: Any, local: dict[int, int], uses: list[int]) -> Any:
+    """``value`` with a :class:`Slot` naming a replay's entry renumbered for its worker's message."""
+    if not isinstance(value, Slot):
+        return value
+    j = local.get(value.index)
+    if j is None:
+        raise ValueError(f"entry {value.index} of the replay is not on this worker")
+    uses[j] += 1
+    return Slot(j, value.rows)
