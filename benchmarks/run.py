@@ -659,6 +659,7 @@ def chain6_plan(system, wg, seed) -> Any:
                 fut = stage(fut)
             step.output(fut)
         _PLANS[("chain6", id(wg))] = step
+        step.run(batch=seed).get()  # the first replay learns each stage's rows, call by call
     out = step.run(batch=seed).get()
     if step.route != "one message per worker":
         raise AssertionError(f"the chain6 plan replayed {step.route}")
@@ -1768,8 +1769,9 @@ DISCUSSION = """\
     in (0 → 8), time ÷ 8; the Ray Compiled Graph has the same shape (8 stages of
     `tick.bind` on each of the 4 actors, each stage taking that actor's previous
     output), compiled once with `experimental_compile()`, timed by `execute` + `ray.get`.
-    A `daskwg.plan` route (issue 22) and the plan form of the 6-call chain print n/a
-    until daskwg has plans and their routes are written (`seq_plan`, `chain6_plan`).
+    The `daskwg.plan` routes (issue 22) record the same calls once with
+    `with daskwg.plan() as step:` and time `step.run(...)` (one message per worker; the
+    chain's plan is replayed once before timing, the replay that learns each stage's rows).
   * *64 MiB DP round trip*: `DP_COMPUTE_PROTO` over `[4096, 4096]` float32, every rank
     adds 1 in place and returns its piece. *reshard m→n*: a finished `DataProtoFuture`
     of `[4096, 4096]` float32 + ids from the dp-m group consumed by the dp-n group

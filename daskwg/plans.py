@@ -1,30 +1,12 @@
-"""Step plans: an RL step's group calls recorded once (:func:`plan`) and replayed every step
-(:meth:`StepPlan.run`) with one message per worker.
+"""Step plans: an RL step's group calls recorded once (``plan``) and replayed every step
+(``StepPlan.run``) with one message per worker, which runs its part in one turn of its host
+thread (``daskwg.plugin.planned``; the driver's side is ``daskwg.transport.planned``).
 
-An RL step makes the same group calls every time (generate, reward, advantage, log-prob,
-ref log-prob, update). Recorded as a plan, a replay costs the driver one message per worker
-instead of one per call and rank; each worker runs its part in the driver's order in one
-turn of its host thread, handing the output of one call to the next call of the same rank
-in its own process (``daskwg.plugin.planned``). Ray's Compiled Graphs
-(``InputNode``/``bind``/``experimental_compile``/``execute``) are the same idea for actor
-calls; here the recording is of the ordinary calls, as a verl trainer makes them::
-
-    with daskwg.plan("rl-step") as step:
-        batch = step.input("batch")
-        out = actor.generate(batch)       # recorded, not run
-        out = actor.reward(out)
-        step.output(actor.update(out))
-    for data in loader:
-        loss = step.run(batch=data).get() # one message per worker
-
-Inside the ``with`` block calls return :class:`PlanValue`\\ s (stand-ins for their outputs)
-and nothing runs. A replay gives what the same calls made one by one give (values, order on
-each worker, padding, errors); it takes the one-message route (:attr:`StepPlan.route`)
-when every call can be cut on the driver or reads only its own rank's part of an earlier
-call's output (a ``DP_COMPUTE``/``ALL_TO_ALL``/``ONE_TO_ALL`` list element by element into
-``DP_COMPUTE``/``ALL_TO_ALL``, a ``DP_COMPUTE_PROTO`` output into ``DP_COMPUTE_PROTO`` with the
-same rows); otherwise, and for steps recorded with ``compiled=False``, it makes the
-recorded calls one by one. Data-dependent control flow stays in the driver, between replays.
+Recording: ``BoundGroup._call_registered`` hands every call made inside the ``with`` block to
+the plan being recorded in this thread (``recording()``), which keeps it and returns a
+``PlanValue``. Replaying: ``_Compiled`` cuts the step's inputs per rank as the calls' dispatch
+functions do and sends every call at once, or, where a call needs more than its own rank's
+part, ``StepPlan._run_calls`` makes the calls one by one through the ordinary path.
 """
 
 from __future__ import annotations
@@ -34,11 +16,12 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 from distributed import Future
 
-from . import serialization
+from . import foreign, serialization
 from .config import Settings
 from .deadlines import current_limit
 from .decorator import Execute, RegisteredMethod
@@ -52,9 +35,10 @@ from .dispatch import (
     dispatch_all_to_all,
     dispatch_dp_compute,
     dispatch_dp_compute_data_proto,
+    dispatch_dp_compute_metric,
 )
 from .errors import DispatchError
-from .futures import DataProtoFuture
+from .futures import DataProtoFuture, rows_of
 from .protocol import unpad_rows
 from .transport.planned import PlanEntry, PlanPath
 from .wire import Slot
@@ -69,6 +53,8 @@ _RECORDING: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("da
 _LIST_COLLECTS = (collect_all_to_all, collect_dp_compute)
 #: Dispatch functions that hand rank ``r`` entry ``r`` of every argument.
 _LIST_DISPATCHES = (dispatch_dp_compute, dispatch_all_to_all)
+#: Dispatch functions that cut batches into equal pieces of rows, one per rank.
+_ROWS_DISPATCHES = (dispatch_dp_compute_data_proto, dispatch_dp_compute_metric)
 
 
 def recording() -> StepPlan | None:
@@ -77,10 +63,13 @@ def recording() -> StepPlan | None:
 
 
 class PlanValue:
-    """A stand-in, while a step is recorded, for a step input (:meth:`StepPlan.input`) or
-    for the output of a recorded call. Pass it to later calls of the step or to
-    :meth:`StepPlan.output`; it has no value until a replay, so using it as one (``if``,
-    ``len``, iterating, ``.get()``) raises ``TypeError``.
+    """A stand-in, while a step is recorded ([`daskwg.plan`][daskwg.plan]), for a step input
+    ([`StepPlan.input`][daskwg.StepPlan.input]) or for the output of a recorded call.
+
+    Pass it to later calls of the step or to [`StepPlan.output`][daskwg.StepPlan.output]. It
+    has no value until a replay, so using it as one (``if``, ``len``, iterating, ``.get()``,
+    any attribute) raises ``TypeError``: control flow that depends on data stays in the driver,
+    between replays.
     """
 
     __slots__ = ("_step", "_index", "_label")
@@ -127,7 +116,8 @@ class _Op:
 
 
 class StepPlan:
-    """A recorded step (see the module docstring); made by :func:`plan`.
+    """A recorded step, made by [`daskwg.plan`][daskwg.plan]; replay it with
+    [`run`][daskwg.StepPlan.run].
 
     Attributes:
         name: the plan's name (messages).
@@ -148,6 +138,11 @@ class StepPlan:
         self._has_outputs = False
         self._recording = False
         self._static: str | None = "not recorded yet"
+        #: ops whose outputs later calls read rank by rank as rows; op -> rows out per row in,
+        #: learnt from a replay made call by call (``None``: not yet); that replay's parts.
+        self._rows_producers: set[int] = set()
+        self._ratios: dict[int, Fraction] | None = None
+        self._learning: tuple[dict[int, Any], dict[int, int]] | None = None
 
     def __repr__(self) -> str:
         return f"<StepPlan {self.name!r}: {self.calls} calls, inputs {sorted(self._inputs)}>"
@@ -232,12 +227,15 @@ class StepPlan:
     # ---- replaying -------------------------------------------------------------------
 
     def run(self, **inputs: Any) -> Any:
-        """Replay the step with these inputs; returns what :meth:`output` named, as the calls
-        return it: values for blocking calls, futures (a ``DataProtoFuture``; per-rank
-        ``distributed.Future`` lists) for ``blocking=False`` ones.
+        """Replay the step with these inputs; returns what [`output`][daskwg.StepPlan.output]
+        named, as the calls return it: values for blocking calls, futures (a
+        ``DataProtoFuture``; per-rank ``distributed.Future`` lists) for ``blocking=False`` ones.
 
         A step with any blocking call returns once every call of it has ended, as the calls
-        one by one would; otherwise at once.
+        one by one would; otherwise at once. ``route`` says how the replay went.
+
+        Args:
+            **inputs: one value per [`input`][daskwg.StepPlan.input] of the step, by name.
 
         Raises:
             TypeError: an input is missing or unknown (before anything runs).
@@ -266,25 +264,88 @@ class StepPlan:
             for op in self._ops:
                 if op.group is not None:
                     op.group._check_usable(op.method)
+            if self._rows_producers and self._ratios is None:
+                reason = self._learn()
+        if reason is None:
+            self.route = "one message per worker"
             result, reason = _Compiled(self, inputs).run()
             if reason is None:
-                self.route = "one message per worker"
                 return result
         self.route = f"call by call ({reason})"
-        return self._run_calls(inputs)
+        values: dict[int, Any] = {}
+        rows_in: dict[int, int] = {}
+        result = self._run_calls(inputs, values, rows_in)
+        learnable = self._static is None and self._ratios is None and self._learning is None
+        if learnable and len(rows_in) == len(self._value_producers()):
+            self._learning = ({i: values[i] for i in self._rows_producers}, rows_in)
+        return result
 
     __call__ = run
 
-    def _run_calls(self, inputs: dict) -> Any:
-        values: dict[int, Any] = {}
+    def _run_calls(self, inputs: dict, values: dict[int, Any], rows_in: dict[int, int]) -> Any:
+        """The recorded calls one by one; ``values`` gets every op's value, ``rows_in`` the
+        rows per rank of the batches that rows-producing calls cut from the step's inputs."""
         for i, op in enumerate(self._ops):
             if op.group is None:
                 values[i] = inputs[op.label[7:-1]]
                 continue
             args = _substitute(op.args, values)
             kwargs = _substitute(op.kwargs, values)
+            if i in self._value_producers():
+                rows = _batch_rows((args, kwargs))
+                if rows is not None and rows % op.group.world_size == 0:
+                    rows_in[i] = rows // op.group.world_size
             values[i] = op.group._call_registered(op.method, op.registered, *args, **kwargs)
         return _substitute(self._outputs, values)
+
+    def _value_producers(self) -> set[int]:
+        """Rows-producing ops cut from the step's inputs (not reading an earlier call)."""
+        return {i for i in self._rows_producers if not self._sources(self._ops[i])}
+
+    def _sources(self, op: _Op) -> list[int]:
+        """The earlier calls whose outputs ``op`` reads."""
+        return [
+            v._index
+            for v in _walk((op.args, op.kwargs))
+            if isinstance(v, PlanValue) and self._ops[v._index].group is not None
+        ]
+
+    def _learn(self) -> str | None:
+        """Learn from the last replay made call by call how many rows each rows-producing
+        call returns per row it gets (``None``: learnt, replays may take the one-message
+        route; else why not yet)."""
+        if self._learning is None:
+            return "the first replay learns the rows of each stage"
+        outputs, rows_in = self._learning
+        parts = {i: list(getattr(out, "futures", ())) for i, out in outputs.items()}
+        if not all(f.done() for fs in parts.values() for f in fs):
+            # Kept: a later replay learns from it once it has run.
+            return "the replay that learns the rows of each stage is still running"
+        self._learning = None
+        some = self._ops[next(iter(parts))].group
+        try:
+            rows = {
+                i: PlanPath(some._transport.driver).part_rows(fs, Settings.current().status_timeout)
+                for i, fs in parts.items()
+            }
+        except Exception as exc:  # noqa: BLE001 - a failed call, a lost worker: learn next time
+            return f"learning the rows of each stage failed ({type(exc).__name__}: {exc})"
+        ratios: dict[int, Fraction] = {}
+        rows_out: dict[int, int] = {}
+        for i in sorted(rows):
+            got = set(rows[i])
+            where = f"{self._ops[i].group._name}.{self._ops[i].method}"
+            if len(got) != 1:
+                self._static = f"{where} returned {rows[i]} rows on its ranks"
+                return self._static
+            sources = self._sources(self._ops[i])
+            before = rows_in[i] if not sources else rows_out[sources[0]]
+            rows_out[i] = got.pop()
+            if not before:
+                return f"{where} got no rows"
+            ratios[i] = Fraction(rows_out[i], before)
+        self._ratios = ratios
+        return None
 
     def _check_static(self) -> str | None:
         """Why no replay can take the one-message route (``None``: they may)."""
@@ -312,8 +373,13 @@ class StepPlan:
                     return f"{where} reads an output of another group ({source.group._name})"
                 if Execute.RANK_ZERO in (op.registered.execute_mode, source.registered.execute_mode):
                     return f"{where} or the call before it runs on rank 0 only"
-                if _edge(kinds[value._index], fns) is None:
+                edge = _edge(kinds[value._index], fns)
+                if edge is None:
                     return f"{where} reads more than its own rank's part of {source.label}"
+                if edge == "rows":
+                    if source.registered.blocking:
+                        return f"{where} reads the rows of a blocking call's output ({source.label})"
+                    self._rows_producers.add(value._index)
         return None
 
 
@@ -322,10 +388,7 @@ def _edge(source_fns: dict, fns: dict) -> str | None:
     ``None`` (it needs other ranks' parts)."""
     if source_fns["collect_fn"] in _LIST_COLLECTS and fns["dispatch_fn"] in _LIST_DISPATCHES:
         return "list"
-    if (
-        source_fns["collect_fn"] is collect_dp_compute_data_proto
-        and fns["dispatch_fn"] is dispatch_dp_compute_data_proto
-    ):
+    if source_fns["collect_fn"] is collect_dp_compute_data_proto and fns["dispatch_fn"] in _ROWS_DISPATCHES:
         return "rows"
     return None
 
@@ -337,6 +400,9 @@ class _Compiled:
         self.step = step
         self.inputs = inputs
         self.placed: dict[int, tuple[list[int], int]] = {}
+        #: rows per rank of each rows-producing call's batch, and of its output, this replay
+        self.rows_in: dict[int, int | None] = {}
+        self.rows_out: dict[int, int] = {}
 
     def run(self) -> tuple[Any, str | None]:
         """``(outputs, None)``, or ``(None, reason)`` when this replay cannot take the route
@@ -374,11 +440,20 @@ class _Compiled:
                     for r in ranks
                 ]
                 pad = 0
+                if i in step._rows_producers:
+                    self.rows_in[i] = self.rows_out[top[0]._index]
             else:
                 args, kwargs = _substitute(op.args, values), _substitute(op.kwargs, values)
                 if any(isinstance(v, (Future, DataProtoFuture)) for v in _walk((args, kwargs))):
                     return None, f"an argument of {op.group._name}.{op.method} is a future"
                 payloads, pad = _dispatch(op, fns, args, kwargs, ranks)
+                if i in step._rows_producers:
+                    self.rows_in[i] = _batch_rows(payloads[0])
+            if i in step._rows_producers:
+                out = (self.rows_in[i] or 0) * step._ratios[i]
+                if out.denominator != 1 or not out:
+                    return None, f"{op.group._name}.{op.method} would return {out} rows per rank"
+                self.rows_out[i] = int(out)
             number = next(driver.call_numbers)
             first = len(entries)
             if i not in outputs:
@@ -409,7 +484,7 @@ class _Compiled:
         """Rank ``rank``'s part of an earlier call's output (its entries are in rank order)."""
         source = self.step._ops[value._index]
         rows = _edge(source.group._dispatch_fns(source.registered), fns) == "rows"
-        return Slot(self.placed[value._index][0][rank], rows)
+        return Slot(self.placed[value._index][0][rank], self.rows_out[value._index] if rows else 0)
 
 
 def _dispatch(op: _Op, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> tuple[list, int]:
@@ -442,6 +517,16 @@ def _collect(op: _Op, parts: list, pad: int) -> Any:
     return unpad_rows(result, pad)
 
 
+def _batch_rows(value: Any) -> int | None:
+    """Rows of the first batch (``DataProto``, ``TensorDict``) among the arguments."""
+    for item in _walk(value):
+        try:
+            return len(item) if foreign.is_verl_dataproto(item) else rows_of(item)
+        except TypeError:
+            continue
+    return None
+
+
 def _walk(value: Any, depth: int = 0) -> Iterator[Any]:
     """``value`` and what lists, tuples and dicts in it hold (4 levels deep)."""
     yield value
@@ -456,7 +541,7 @@ def _walk(value: Any, depth: int = 0) -> Iterator[Any]:
 
 
 def _substitute(value: Any, values: dict[int, Any], depth: int = 0) -> Any:
-    """``value`` with each :class:`PlanValue` replaced by this replay's value of it."""
+    """``value`` with each ``PlanValue`` replaced by this replay's value of it."""
     if isinstance(value, PlanValue):
         return values[value._index]
     if depth >= 4:
@@ -471,16 +556,43 @@ def _substitute(value: Any, values: dict[int, Any], depth: int = 0) -> Any:
 @contextlib.contextmanager
 def plan(name: str = "step", *, compiled: bool = True) -> Iterator[StepPlan]:
     """Record a step: the registered-method calls made in the ``with`` block, on any groups
-    of one client, are recorded instead of run (see the module docstring).
+    of one client, are recorded, not run; each replay ([`StepPlan.run`][daskwg.StepPlan.run])
+    makes them again, with one message per worker::
+
+        with daskwg.plan("rl-step") as step:
+            batch = step.input("batch")
+            out = actor.reward(actor.generate(batch))   # recorded, not run
+            step.output(actor.update(out))
+        for data in loader:
+            metrics = step.run(batch=data)             # one message per worker
+
+    Inside the block calls return [`PlanValue`][daskwg.PlanValue] stand-ins. A replay gives
+    what the same calls made one by one give: values, the order of calls on each worker,
+    padding, the errors (``RankError``, ``WorkerLostError``, ``CallTimeoutError`` under
+    [`daskwg.deadline`][daskwg.deadline] or ``@register(timeout=...)``). It runs each
+    worker's part in one turn of its host thread, handing the output of one call to the
+    next call of the same rank in that process, when every call is cut from the step's
+    inputs on the driver or reads only its own rank's part of an earlier call of its group:
+    a ``DP_COMPUTE``/``ALL_TO_ALL``/``ONE_TO_ALL`` output element by element in
+    ``DP_COMPUTE``/``ALL_TO_ALL``, a ``DP_COMPUTE_PROTO`` output in ``DP_COMPUTE_PROTO``/
+    ``DP_COMPUTE_METRIC`` (the first replay, made call by call, learns how many rows each
+    such stage returns per row; a later replay whose rows differ fails with a
+    ``RankError`` saying so). Otherwise (another group's output, every rank's parts, a
+    padded batch, a future among the inputs, a role group) it makes the calls one by one;
+    ``StepPlan.route`` says which and why. A restarted group is replayed on its new ranks;
+    a shut-down or broken one raises ``GroupBrokenError`` before anything is sent. Ray's
+    Compiled Graphs (``InputNode``, ``bind``, ``experimental_compile``, ``execute``) are
+    the same idea for actor calls.
 
     Args:
         name: the step's name, in messages.
         compiled: replays may take the one-message route (``False``: every replay makes the
             calls one by one, as the block would have).
     Returns:
-        a context manager giving the :class:`StepPlan`; replay it with ``step.run(**inputs)``.
+        a context manager giving the [`StepPlan`][daskwg.StepPlan].
     Raises:
-        RuntimeError: a plan is being recorded in this thread already.
+        RuntimeError: a plan is being recorded in this thread already (plans do not nest);
+            an ``execute_*`` call inside the block.
         ValueError: the block recorded no group call.
     """
     step = StepPlan(name, compiled)

@@ -253,13 +253,13 @@ class Slot:
 
     Attributes:
         index: the producing call's position in the message.
-        rows: the reader is a ``DP_COMPUTE_PROTO`` call of a ``DP_COMPUTE_PROTO`` output: it
-            must have as many rows as the producing call's input had (each stage keeps its
-            rows), which is when the rank's own part is what the call without a plan gets.
+        rows: for a ``DP_COMPUTE_PROTO`` call reading a ``DP_COMPUTE_PROTO`` output, the rows
+            that output must have on every rank (``0``: no check): the rank's own part is what
+            the call without a plan gets exactly when every rank's part has as many rows.
     """
 
     index: int
-    rows: bool = False
+    rows: int = 0
 
 
 def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:

@@ -530,6 +530,7 @@ class Groups:
     backend: str = "gloo"
     dataproto: type = DataProto  # the batches the driver sends (verl's in grpo_verl.py)
     actor_version: int = 0  # actor updates so far (the policy version)
+    step_plan: daskwg.StepPlan | None = None  # --plan: the step, recorded once
     rollout_version: int = 0  # the policy version the rollout ranks sample with
 
     @property
@@ -743,19 +744,18 @@ def run_step(
         ahead: this step's rollout, started during the step before (``--async``), or
             ``None`` to start it now.
     """
-    rollout = ahead if ahead is not None and ahead.step == step else generate(groups, step, args)
-    ahead = generate(groups, step + 1, args) if args.async_rollout and step + 1 < args.steps else None
-    batch = rollout.batch
-    # Switch point (issue 9): with lazy union/select, each call returns only its new keys
-    # and the driver unions the futures (batch = batch.union(...)), as verl's trainer does.
-    batch = groups.actor.compute_reward(batch)
-    batch = groups.actor.compute_advantage(batch)
-    batch = groups.actor.compute_log_prob(batch)
-    batch = groups.actor.compute_ref_log_prob(batch)
-    if kill is not None:
-        kill_worker(client, kill)
-    per_rank = groups.actor.update_actor(batch)
-    staleness = groups.actor_version - rollout.version
+    if args.plan:
+        per_rank, version = planned_step(client, groups, step, args, kill), groups.rollout_version
+    else:
+        rollout = ahead if ahead is not None and ahead.step == step else generate(groups, step, args)
+        ahead = generate(groups, step + 1, args) if args.async_rollout and step + 1 < args.steps else None
+        # Switch point (issue 9): with lazy union/select, each call returns only its new keys
+        # and the driver unions the futures (batch = batch.union(...)), as verl's trainer does.
+        batch = train_stages(groups, rollout.batch)
+        if kill is not None:
+            kill_worker(client, kill)
+        per_rank, version = groups.actor.update_actor(batch), rollout.version
+    staleness = groups.actor_version - version
     groups.actor_version += 1
     groups.sync_weights()
     total = {key: sum(m[key] for m in per_rank) for key in per_rank[0]}
@@ -767,6 +767,32 @@ def run_step(
         "staleness": float(staleness),
     }
     return metrics, ahead
+
+
+def train_stages(groups: Groups, batch: DataProtoFuture) -> DataProtoFuture:
+    """Reward, advantage, log-prob and ref log-prob of a generated batch (each call's
+    ``DataProtoFuture`` is the next one's input)."""
+    batch = groups.actor.compute_reward(batch)
+    batch = groups.actor.compute_advantage(batch)
+    batch = groups.actor.compute_log_prob(batch)
+    return groups.actor.compute_ref_log_prob(batch)
+
+
+def planned_step(client, groups: Groups, step: int, args: argparse.Namespace, kill: str | None) -> list:
+    """``--plan``: the step from the prompts to the update, recorded once as a ``daskwg.plan``
+    and replayed: one message per worker when the placement is colocated (every call reads
+    only its own rank's rows), the calls one by one otherwise. Returns ``update_actor``'s
+    per-rank metrics."""
+    if groups.step_plan is None:
+        with daskwg.plan("grpo step") as plan:
+            batch = groups.rollout.generate_sequences(plan.input("prompts"))
+            plan.output(groups.actor.update_actor(train_stages(groups, batch)))
+        groups.step_plan = plan
+    prompts = make_prompts(args.prompts_per_step, step, args.seed, groups.dataproto)
+    prompts.meta_info.update(n=args.n, step=step)
+    if kill is not None:
+        kill_worker(client, kill)
+    return groups.step_plan.run(prompts=prompts)
 
 
 @dataclass
@@ -911,6 +937,9 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         print(f"driver bytes per step: {received.total // steps_run}")
     else:
         print("driver bytes per step: n/a (needs Linux TCP_INFO)")
+    if args.plan and groups.step_plan is not None:
+        plan = groups.step_plan
+        print(f"step plan: {plural(plan.replays, 'replay')} of {plan.calls} calls, the last {plan.route}")
     print(f"plot written to {args.out}")
     print(f"final mean reward: {final:.4f} (mean over the last {len(window)} steps)")
     if len(set(checksums)) != 1:
@@ -969,6 +998,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --placement split: generate step t+1 while the trainer updates on step t "
         "(verl's one-step off-policy recipe)",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="record the step once as a daskwg.plan and replay it every step (one message per worker "
+        "where every call reads only its own rank's rows)",
     )
     parser.add_argument("--world-size", type=int, default=4, help="actor (trainer) ranks (default 4)")
     parser.add_argument(
@@ -1055,6 +1090,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.plan and args.async_rollout:
+        parser.error(
+            "--plan records the step from the prompts to the update; --async generates the next step's "
+            "batch ahead, outside the step: use one or the other"
+        )
     if args.async_rollout and args.placement != "split":
         parser.error(
             "--async overlaps the rollout with the update on separate ranks: it needs --placement split"

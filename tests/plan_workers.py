@@ -107,17 +107,22 @@ class StepWorker(Worker):
         self.kept = data  # the rank holds what it returns
         return data
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def drop_a_row_on_rank_one(self, data: DataProto) -> DataProto:
+        return data[1:] if self.rank == 1 else data
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def kept_prompts(self) -> list:
         return self.kept.batch["prompts"].tolist()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
-    def double_rows(self, data: DataProto) -> DataProto:
-        return DataProto.concat([data, data])
+    def repeat_rows(self, data: DataProto) -> DataProto:
+        """Each row ``meta_info["n"]`` times (a rollout's samples per prompt)."""
+        return DataProto.concat([data] * int(data.meta_info.get("n", 1)))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def fail_on_rank(self, data: DataProto) -> DataProto:
-        if self.rank == 1:
+        if self.rank == 1 and data.meta_info.get("fail"):
             raise ValueError(f"stage failed on rank {self.rank}")
         return data
 
@@ -128,6 +133,6 @@ class StepWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def die_on_rank_one(self, data: DataProto) -> DataProto:
-        if self.rank == 1:
+        if self.rank == 1 and data.meta_info.get("die"):
             os._exit(1)
         return data

@@ -115,6 +115,26 @@ def test_resume_continues_from_the_last_checkpoint(colocated_run):
     assert "steps: 2 run" in proc.stdout
 
 
+@pytest.mark.timeout(900)
+def test_the_step_as_a_plan_trains_the_same_weights_with_one_message_per_worker(colocated_run, tmp_path):
+    _, proc = colocated_run
+    planned = run_example(*short_run_args(tmp_path, "--plan"))
+    assert "step plan: 4 replays of 6 calls, the last one message per worker" in planned.stdout
+    weights = re.compile(r"weights identical on all 4 ranks \(sha256 ([0-9a-f]+)")
+    assert weights.search(planned.stdout).group(1) == weights.search(proc.stdout).group(1)
+    assert number(planned.stdout, "final mean reward") == number(proc.stdout, "final mean reward")
+
+
+def test_plan_and_async_are_refused_together():
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--plan", "--async", "--placement", "split"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--plan records the step from the prompts to the update" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def cli_cluster6():
     cluster = CLICluster(6)

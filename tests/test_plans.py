@@ -70,16 +70,19 @@ def _equal(a: DataProto, b: DataProto) -> bool:
 def test_an_rl_step_replayed_gives_the_losses_of_the_calls_made_one_by_one(wg, messages):
     step = _record_rl_step(wg)
     expected = _rl_step(wg, _batch(8))
+    first = step.run(batch=_batch(8))
+    assert step.route == "call by call (the first replay learns the rows of each stage)"
     messages["n"] = 0
     got = step.run(batch=_batch(8))
     assert step.route == COMPILED
     assert messages["n"] == 4  # one per worker, for 4 calls on 4 ranks
-    assert _equal(got, expected)
+    assert _equal(got, expected) and _equal(first, expected)
     assert got.batch["loss"].shape == (8,)
 
 
 def test_ragged_batches_replay_step_after_step(wg):
     step = _record_rl_step(wg)
+    step.run(batch=_batch(4))
     for rows in (8, 12, 4, 16):
         assert _equal(step.run(batch=_batch(rows)), _rl_step(wg, _batch(rows))), rows
         assert step.route == COMPILED
@@ -87,6 +90,7 @@ def test_ragged_batches_replay_step_after_step(wg):
 
 def test_a_padded_batch_replays_call_by_call_with_the_same_losses(wg):
     step = _record_rl_step(wg)
+    step.run(batch=_batch(8))
     got = step.run(batch=_batch(10))  # 10 rows on 4 ranks: padded to 12, unpadded after
     assert step.route.startswith("call by call") and "padded" in step.route
     expected = _rl_step(wg, _batch(10))
@@ -128,7 +132,9 @@ def test_non_blocking_outputs_come_back_as_futures(wg):
         out = wg.reward(wg.generate(step.input("batch")))
         ticks = wg.tick_later(step.input("xs"))
         step.output(out, ticks)
+    daskwg.get(step.run(batch=_batch(8), xs=[0, 0, 0, 0])[1])  # learns once its calls have run
     out, ticks = step.run(batch=_batch(8), xs=[1, 2, 3, 4])
+    assert step.route == COMPILED
     assert isinstance(out, DataProtoFuture)
     assert daskwg.get(ticks) == [2, 3, 4, 5]
     assert _equal(out.get(), wg.reward(wg.generate(_batch(8))).get())
@@ -193,26 +199,55 @@ def test_a_result_the_rank_keeps_is_not_changed_by_the_next_stage(wg):
 # ---------------------------------------------------------------- errors
 
 
-def test_a_stage_that_changes_its_rows_fails_the_next_stage_with_what_to_do(wg):
+def test_a_stage_that_repeats_rows_replays_with_the_rows_it_learnt(wg):
+    with daskwg.plan("samples") as step:
+        step.output(wg.reward(wg.generate(wg.repeat_rows(step.input("batch")))))
+    batch = _batch(8)
+    batch.meta_info["n"] = 3
+    step.run(batch=batch).get()
+    got = step.run(batch=batch).get()
+    assert step.route == COMPILED
+    expected = wg.reward(wg.generate(wg.repeat_rows(batch))).get()
+    assert len(got) == 24 and _equal(got, expected)
+
+
+def test_a_stage_whose_rows_change_between_replays_fails_the_next_stage_with_what_to_do(wg):
     with daskwg.plan("rows") as step:
-        step.output(wg.generate(wg.double_rows(step.input("batch"))))
+        step.output(wg.generate(wg.repeat_rows(step.input("batch"))))
+    step.run(batch=_batch(8)).get()  # learns: one row out per row in
+    doubled = _batch(8)
+    doubled.meta_info["n"] = 2
     with pytest.raises(RankError) as info:
-        step.run(batch=_batch(8)).get()
+        step.run(batch=doubled).get()
     assert info.value.method == "generate"
-    assert "returned 4 rows for an input of 2" in str(info.value)
+    assert "returned 4 rows on rank" in str(info.value) and "earlier replays had 2" in str(info.value)
     assert "compiled=False" in str(info.value)
     # Recorded without the one-message route, the same step gives what the calls give.
     with daskwg.plan("rows", compiled=False) as step:
-        step.output(wg.generate(wg.double_rows(step.input("batch"))))
-    assert len(step.run(batch=_batch(8)).get()) == 16
+        step.output(wg.generate(wg.repeat_rows(step.input("batch"))))
+    assert len(step.run(batch=doubled).get()) == 16
+
+
+def test_ranks_returning_different_rows_keep_the_step_call_by_call(wg):
+    with daskwg.plan("uneven ranks") as step:
+        step.output(wg.generate(wg.drop_a_row_on_rank_one(step.input("batch"))))
+    step.run(batch=_batch(8)).get()
+    got = step.run(batch=_batch(8)).get()
+    assert "returned [2, 1, 2, 2] rows on its ranks" in step.route
+    assert len(got) == 7
+    assert _equal(got, wg.generate(wg.drop_a_row_on_rank_one(_batch(8))).get())
 
 
 def test_a_rank_that_raises_fails_the_replay_with_its_rank_error(wg):
     with daskwg.plan("failing") as step:
         step.output(wg.update(wg.advantage(wg.reward(wg.fail_on_rank(wg.generate(step.input("batch")))))))
+    step.run(batch=_batch(8))  # the first replay, call by call
+    failing = _batch(8)
+    failing.meta_info["fail"] = True
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        step.run(batch=_batch(8))
+        step.run(batch=failing)
+    assert step.route == COMPILED
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1 and info.value.method == "fail_on_rank"
     assert "stage failed on rank 1" in str(info.value)
@@ -288,9 +323,17 @@ def test_a_worker_lost_during_a_replay_raises_worker_lost(fresh_cluster4):
     _, client = fresh_cluster4
     group = WorkerGroup(client, StepWorker, world_size=4)
     with daskwg.plan("lost") as step:
-        step.output(group.update(group.die_on_rank_one(step.input("batch"))))
+        step.output(
+            group.update(
+                group.advantage(group.reward(group.die_on_rank_one(group.generate(step.input("batch")))))
+            )
+        )
+    step.run(batch=_batch(8))
+    dying = _batch(8)
+    dying.meta_info["die"] = True
     t0 = time.monotonic()
     with pytest.raises(daskwg.WorkerLostError) as info:
-        step.run(batch=_batch(8))
+        step.run(batch=dying)
+    assert step.route == COMPILED
     assert time.monotonic() - t0 < 60
     assert info.value.rank == 1

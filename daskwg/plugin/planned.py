@@ -100,7 +100,7 @@ class PlanRunner:
     def _execute(self, calls: list[Call], entries: list[tuple], payloads: list) -> list[tuple]:
         """On the host thread: every call in turn; per call ``(ok, snapshot or error)``."""
         host = self.host
-        held: dict[int, tuple] = {}  # index -> (snapshot or error, uses left, rows of its input)
+        held: dict[int, tuple] = {}  # index -> (snapshot or error, uses left, also kept or sent back)
         outcomes: list[tuple] = []
         for i, (call, entry) in enumerate(zip(calls, entries)):
             _, _key, result, uses = entry
@@ -111,54 +111,45 @@ class PlanRunner:
                 kwargs = {k: self._take(v, held, call) for k, v in kwargs.items()}
             except BaseException as exc:  # noqa: BLE001 - an input's own error, or a shape check
                 outcomes.append((False, exc))
-                held[i] = (exc, uses, None)
+                held[i] = (exc, uses, False)
                 continue
-            rows_in = _rows_in(args, kwargs)
             box = [(args, kwargs)]
             del args, kwargs
             try:
                 packed = host._execute_counted(call, box, None, True)
             except BaseException as exc:  # noqa: BLE001 - shaped by _execute for the driver
                 outcomes.append((False, picklable(exc)))
-                held[i] = (exc, uses, None)
+                held[i] = (exc, uses, False)
                 continue
             if uses:
-                held[i] = (packed, uses, rows_in, result != "none")
+                held[i] = (packed, uses, result != "none")
             outcomes.append((True, packed))
         return outcomes
 
     def _take(self, value: Any, held: dict, call: Call) -> Any:
         if not isinstance(value, Slot):
             return value
-        stored, uses, rows_in, *kept = held[value.index]
+        stored, uses, kept = held[value.index]
         if isinstance(stored, BaseException):
             raise stored
         uses -= 1
         if uses:
-            held[value.index] = (stored, uses, rows_in, *kept)
+            held[value.index] = (stored, uses, kept)
         else:
             del held[value.index]
         # The last reader of a result that neither stays nor goes back uses it in place;
         # any other reader gets its own.
-        out = serialization.loads(stored, copy=bool(uses or (kept and kept[0])))
-        if value.rows and _rows(out) != rows_in:
+        out = serialization.loads(stored, copy=bool(uses or kept))
+        if value.rows and _rows(out) != value.rows:
             problem = ValueError(
-                f"the call before {call.method!r} on rank {call.rank} returned {_rows(out)} rows for an input "
-                f"of {rows_in}: a step plan passes a DP_COMPUTE_PROTO output on to the next DP_COMPUTE_PROTO "
-                "call rank by rank, which is what the calls without a plan do only while every stage keeps "
-                "its rows; record this step with daskwg.plan(compiled=False), or keep each stage's rows"
+                f"the call before {call.method!r} returned {_rows(out)} rows on rank {call.rank} where the step's "
+                f"earlier replays had {value.rows} on every rank: a step plan passes a DP_COMPUTE_PROTO output "
+                "on to the next DP_COMPUTE_PROTO call rank by rank, which is what the calls without a plan do "
+                "only while every rank's output has as many rows; record this step with "
+                "daskwg.plan(compiled=False) if its stages return data-dependent numbers of rows"
             )
             raise RankError(call.rank, self.host.address, call.method, "", problem)
         return out
-
-
-def _rows_in(args: tuple, kwargs: dict) -> int | None:
-    """Rows of the call's first batch argument (``None``: it has none)."""
-    for value in (*args, *kwargs.values()):
-        rows = _rows(value)
-        if rows is not None:
-            return rows
-    return None
 
 
 def _rows(value: Any) -> int | None:

@@ -142,6 +142,30 @@ class PlanPath:
             written.wait(OPENING_WAIT)  # bounded: an unreachable worker fails the futures
         return replay
 
+    def part_rows(self, futures: list[Any], timeout: float) -> list[int]:
+        """Rows of finished ``DataProtoFuture`` parts (non-blocking calls' results), asked of
+        the workers holding them (``daskwg_part_info``), never fetched.
+
+        Raises:
+            the producing call's error; ``OSError``/``TimeoutError``: a worker did not answer.
+        """
+        owned, client = self.driver.owned, self.driver.client
+
+        async def one(future: Any) -> int:
+            rec = owned.records[future.key]
+            response = await asyncio.wait_for(
+                client.rpc(rec.address).daskwg_part_info(key=future.key, session=rec.call.session, seq=rec.call.seq),
+                timeout,
+            )
+            if response["status"] != "OK":
+                raise response["exception"]
+            return response["info"].rows
+
+        async def every() -> list[int]:
+            return list(await asyncio.gather(*map(one, futures)))
+
+        return client.sync(every)
+
     def _send_all(self, replay: Replay, batches: list, written: Any) -> None:
         remaining = [len(batches)]
 
