@@ -4,7 +4,7 @@ thread (``daskwg.plugin.planned``; the driver's side is ``daskwg.transport.plann
 
 Recording: ``BoundGroup._call_registered`` hands every call made inside the ``with`` block to
 the plan being recorded in this thread (``recording()``), which keeps it and returns a
-``PlanValue``. Replaying: ``_Compiled`` cuts the step's inputs per rank as the calls' dispatch
+``PlanValue``. Replaying: ``CompiledReplay`` cuts the step's inputs per rank as the calls' dispatch
 functions do and sends every call at once, or, where a call needs more than its own rank's
 part, ``StepPlan._run_calls`` makes the calls one by one through the ordinary path.
 """
@@ -13,35 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
 from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
-from distributed import Future
-
-from . import foreign, serialization
 from .config import Settings
-from .deadlines import current_limit
 from .decorator import Execute, RegisteredMethod
-from .dispatch import (
-    PADDING_SIZE_KEY,
-    RankOutputs,
-    check_per_rank,
-    collect_all_to_all,
-    collect_dp_compute,
-    collect_dp_compute_data_proto,
-    dispatch_all_to_all,
-    dispatch_dp_compute,
-    dispatch_dp_compute_data_proto,
-    dispatch_dp_compute_metric,
-)
-from .errors import DispatchError
-from .futures import DataProtoFuture, rows_of
-from .protocol import unpad_rows
-from .transport.planned import PlanEntry, PlanPath
-from .wire import Slot
+from .recorded import Op, PlanValue, batch_rows, edge, substitute, walk
+from .replay import CompiledReplay
+from .transport.planned import PlanPath
 
 __all__ = ["PlanValue", "StepPlan", "plan", "recording"]
 
@@ -49,70 +30,10 @@ logger = logging.getLogger(__name__)
 
 _RECORDING: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("daskwg_plan", default=None)
 
-#: Collect functions whose result is the list of per-rank outputs.
-_LIST_COLLECTS = (collect_all_to_all, collect_dp_compute)
-#: Dispatch functions that hand rank ``r`` entry ``r`` of every argument.
-_LIST_DISPATCHES = (dispatch_dp_compute, dispatch_all_to_all)
-#: Dispatch functions that cut batches into equal pieces of rows, one per rank.
-_ROWS_DISPATCHES = (dispatch_dp_compute_data_proto, dispatch_dp_compute_metric)
-
 
 def recording() -> StepPlan | None:
     """The plan being recorded in this thread (``None``: calls run as they are made)."""
     return _RECORDING.get()
-
-
-class PlanValue:
-    """A stand-in, while a step is recorded ([`daskwg.plan`][daskwg.plan]), for a step input
-    ([`StepPlan.input`][daskwg.StepPlan.input]) or for the output of a recorded call.
-
-    Pass it to later calls of the step or to [`StepPlan.output`][daskwg.StepPlan.output]. It
-    has no value until a replay, so using it as one (``if``, ``len``, iterating, ``.get()``,
-    any attribute) raises ``TypeError``: control flow that depends on data stays in the driver,
-    between replays.
-    """
-
-    __slots__ = ("_step", "_index", "_label")
-
-    def __init__(self, step: StepPlan, index: int, label: str):
-        self._step = step
-        self._index = index
-        self._label = label
-
-    def _no_value(self, what: str) -> TypeError:
-        return TypeError(
-            f"{what} needs the value of {self._label}, which a step plan only has when it is replayed: "
-            "keep control flow that depends on data between replays (step.run(...) returns the outputs)"
-        )
-
-    def __bool__(self) -> bool:
-        raise self._no_value("a condition")
-
-    def __len__(self) -> int:
-        raise self._no_value("len()")
-
-    def __iter__(self) -> Iterator[Any]:
-        raise self._no_value("iterating")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise self._no_value(f"{name!r}")
-
-    def __repr__(self) -> str:
-        return f"<PlanValue {self._label} of {self._step!r}>"
-
-
-@dataclasses.dataclass
-class _Op:
-    """One recorded call, or a step input (``group`` ``None``)."""
-
-    label: str
-    group: Any = None
-    method: str = ""
-    registered: RegisteredMethod | None = None
-    args: tuple = ()
-    kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 class StepPlan:
@@ -132,7 +53,7 @@ class StepPlan:
         self.compiled = compiled
         self.route: str | None = None
         self.replays = 0
-        self._ops: list[_Op] = []
+        self._ops: list[Op] = []
         self._inputs: dict[str, int] = {}
         self._outputs: Any = None
         self._has_outputs = False
@@ -166,7 +87,7 @@ class StepPlan:
         if name in self._inputs:
             raise ValueError(f"step {self.name!r} already has an input {name!r}")
         self._inputs[name] = len(self._ops)
-        self._ops.append(_Op(f"input {name!r}"))
+        self._ops.append(Op(f"input {name!r}"))
         return PlanValue(self, self._inputs[name], f"input {name!r}")
 
     def output(self, *values: Any) -> None:
@@ -182,7 +103,7 @@ class StepPlan:
             raise ValueError(f"step.{what}() is for the with daskwg.plan() block that records {self.name!r}")
 
     def _check_values(self, values: Any, where: str) -> None:
-        for value in _walk(values):
+        for value in walk(values):
             if isinstance(value, PlanValue) and value._step is not self:
                 raise ValueError(f"{where} hold {value._label} of another plan ({value._step.name!r})")
 
@@ -199,7 +120,7 @@ class StepPlan:
         self._check_values((args, kwargs), f"the arguments of {group._name}.{method}")
         group._check_usable(method)
         label = f"the output of {group._name}.{method} (call {self.calls + 1} of step {self.name!r})"
-        self._ops.append(_Op(label, group, method, registered, args, dict(kwargs)))
+        self._ops.append(Op(label, group, method, registered, args, dict(kwargs)))
         return PlanValue(self, len(self._ops) - 1, label)
 
     def __enter__(self) -> StepPlan:
@@ -268,7 +189,7 @@ class StepPlan:
                 reason = self._learn()
         if reason is None:
             self.route = "one message per worker"
-            result, reason = _Compiled(self, inputs).run()
+            result, reason = CompiledReplay(self, inputs).run()
             if reason is None:
                 return result
         self.route = f"call by call ({reason})"
@@ -289,24 +210,24 @@ class StepPlan:
             if op.group is None:
                 values[i] = inputs[op.label[7:-1]]
                 continue
-            args = _substitute(op.args, values)
-            kwargs = _substitute(op.kwargs, values)
+            args = substitute(op.args, values)
+            kwargs = substitute(op.kwargs, values)
             if i in self._value_producers():
-                rows = _batch_rows((args, kwargs))
+                rows = batch_rows((args, kwargs))
                 if rows is not None and rows % op.group.world_size == 0:
                     rows_in[i] = rows // op.group.world_size
             values[i] = op.group._call_registered(op.method, op.registered, *args, **kwargs)
-        return _substitute(self._outputs, values)
+        return substitute(self._outputs, values)
 
     def _value_producers(self) -> set[int]:
         """Rows-producing ops cut from the step's inputs (not reading an earlier call)."""
         return {i for i in self._rows_producers if not self._sources(self._ops[i])}
 
-    def _sources(self, op: _Op) -> list[int]:
+    def _sources(self, op: Op) -> list[int]:
         """The earlier calls whose outputs ``op`` reads."""
         return [
             v._index
-            for v in _walk((op.args, op.kwargs))
+            for v in walk((op.args, op.kwargs))
             if isinstance(v, PlanValue) and self._ops[v._index].group is not None
         ]
 
@@ -360,7 +281,7 @@ class StepPlan:
                 return f"{where} has execute mode {op.registered.execute_mode}"
             fns = op.group._dispatch_fns(op.registered)
             kinds[i] = fns
-            stand_ins = [v for v in _walk((op.args, op.kwargs)) if isinstance(v, PlanValue)]
+            stand_ins = [v for v in walk((op.args, op.kwargs)) if isinstance(v, PlanValue)]
             produced = [v for v in stand_ins if self._ops[v._index].group is not None]
             if not produced:
                 continue
@@ -373,184 +294,14 @@ class StepPlan:
                     return f"{where} reads an output of another group ({source.group._name})"
                 if Execute.RANK_ZERO in (op.registered.execute_mode, source.registered.execute_mode):
                     return f"{where} or the call before it runs on rank 0 only"
-                edge = _edge(kinds[value._index], fns)
-                if edge is None:
+                how = edge(kinds[value._index], fns)
+                if how is None:
                     return f"{where} reads more than its own rank's part of {source.label}"
-                if edge == "rows":
+                if how == "rows":
                     if source.registered.blocking:
                         return f"{where} reads the rows of a blocking call's output ({source.label})"
                     self._rows_producers.add(value._index)
         return None
-
-
-def _edge(source_fns: dict, fns: dict) -> str | None:
-    """How a call reads an earlier call's output rank by rank: ``"list"``, ``"rows"``, or
-    ``None`` (it needs other ranks' parts)."""
-    if source_fns["collect_fn"] in _LIST_COLLECTS and fns["dispatch_fn"] in _LIST_DISPATCHES:
-        return "list"
-    if source_fns["collect_fn"] is collect_dp_compute_data_proto and fns["dispatch_fn"] in _ROWS_DISPATCHES:
-        return "rows"
-    return None
-
-
-class _Compiled:
-    """One replay on the one-message route."""
-
-    def __init__(self, step: StepPlan, inputs: dict):
-        self.step = step
-        self.inputs = inputs
-        self.placed: dict[int, tuple[list[int], int]] = {}
-        #: rows per rank of each rows-producing call's batch, and of its output, this replay
-        self.rows_in: dict[int, int | None] = {}
-        self.rows_out: dict[int, int] = {}
-
-    def run(self) -> tuple[Any, str | None]:
-        """``(outputs, None)``, or ``(None, reason)`` when this replay cannot take the route
-        (nothing was sent then)."""
-        step = self.step
-        settings = Settings.current()
-        blocking = any(op.group is not None and op.registered.blocking for op in step._ops)
-        outputs = {v._index for v in _walk(step._outputs) if isinstance(v, PlanValue)}
-        entries: list[PlanEntry] = []
-        placed = self.placed = {}  # op -> (its entries, in rank order), its padding
-        values: dict[int, Any] = {}
-        timeouts = []
-        driver = None
-        for i, op in enumerate(step._ops):
-            if op.group is None:
-                values[i] = self.inputs[op.label[7:-1]]
-                continue
-            transport = op.group._transport
-            driver = transport.driver
-            n = op.group.world_size
-            ranks = [0] if op.registered.execute_mode == Execute.RANK_ZERO else list(range(n))
-            fns = op.group._dispatch_fns(op.registered)
-            top = [*op.args, *op.kwargs.values()]
-            fed = bool(top) and all(isinstance(v, PlanValue) and v._index in placed for v in top)
-            if fed:
-                for v in top:
-                    source_entries, pad = placed[v._index]
-                    if pad:
-                        return None, f"{step._ops[v._index].label} was padded this time"
-                payloads = [
-                    (
-                        tuple(self._slot(a, r, fns) for a in op.args),
-                        {k: self._slot(v, r, fns) for k, v in op.kwargs.items()},
-                    )
-                    for r in ranks
-                ]
-                pad = 0
-                if i in step._rows_producers:
-                    self.rows_in[i] = self.rows_out[top[0]._index]
-            else:
-                args, kwargs = _substitute(op.args, values), _substitute(op.kwargs, values)
-                if any(isinstance(v, (Future, DataProtoFuture)) for v in _walk((args, kwargs))):
-                    return None, f"an argument of {op.group._name}.{op.method} is a future"
-                payloads, pad = _dispatch(op, fns, args, kwargs, ranks)
-                if i in step._rows_producers:
-                    self.rows_in[i] = _batch_rows(payloads[0])
-            if i in step._rows_producers:
-                out = (self.rows_in[i] or 0) * step._ratios[i]
-                if out.denominator != 1 or not out:
-                    return None, f"{op.group._name}.{op.method} would return {out} rows per rank"
-                self.rows_out[i] = int(out)
-            number = next(driver.call_numbers)
-            first = len(entries)
-            if i not in outputs:
-                result = "none"
-            else:
-                result = "return" if op.registered.blocking else "keep"
-            for r, payload in zip(ranks, payloads):
-                entries.append(PlanEntry(transport, r, op.method, number, payload, result))
-            placed[i] = (list(range(first, len(entries))), pad)
-            timeouts.append(op.registered.timeout)
-        replay = PlanPath(driver).send(entries, settings)
-        if blocking:
-            replay.blocking = True
-            limit = current_limit(
-                sum(timeouts) if all(t is not None for t in timeouts) else None, settings.call_timeout
-            )
-            replay.wait(limit, settings, step.name)
-        for i in outputs:
-            indices, pad = placed[i]
-            if step._ops[i].registered.blocking:
-                parts = [serialization.loads(replay.values[j]) for j in indices]
-            else:
-                parts = [replay.futures[j] for j in indices]
-            values[i] = _collect(step._ops[i], parts, pad)
-        return _substitute(step._outputs, values), None
-
-    def _slot(self, value: PlanValue, rank: int, fns: dict) -> Slot:
-        """Rank ``rank``'s part of an earlier call's output (its entries are in rank order)."""
-        source = self.step._ops[value._index]
-        rows = _edge(source.group._dispatch_fns(source.registered), fns) == "rows"
-        return Slot(self.placed[value._index][0][rank], self.rows_out[value._index] if rows else 0)
-
-
-def _dispatch(op: _Op, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> tuple[list, int]:
-    """The call's per-rank ``(args, kwargs)`` and padding, cut as the call made alone cuts them
-    (``BoundGroup._call_registered``)."""
-    group = op.group
-    try:
-        d_args, d_kwargs = fns["dispatch_fn"](group, *args, **kwargs)
-    except DispatchError:
-        raise
-    except (TypeError, ValueError, IndexError) as exc:
-        raise DispatchError(f"{group._name}.{op.method}: {exc}") from exc
-    d_kwargs = dict(d_kwargs)
-    pad = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
-    check_per_rank(f"the dispatch function of {group._name}.{op.method}", group.world_size, d_args, d_kwargs)
-    return [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks], pad
-
-
-def _collect(op: _Op, parts: list, pad: int) -> Any:
-    """The call's result from its ranks' parts, as ``BoundGroup._call_registered`` collects it."""
-    group = op.group
-    outputs = RankOutputs(parts, method=op.method, ranks=list(range(len(parts))))
-    if op.registered.execute_mode == Execute.RANK_ZERO:
-        return outputs[0]
-    result = group._dispatch_fns(op.registered)["collect_fn"](group, outputs)
-    if result is outputs:
-        result = list(result)
-    if isinstance(result, DataProtoFuture):
-        result = dataclasses.replace(result, gather=group._gather_any)
-    return unpad_rows(result, pad)
-
-
-def _batch_rows(value: Any) -> int | None:
-    """Rows of the first batch (``DataProto``, ``TensorDict``) among the arguments."""
-    for item in _walk(value):
-        try:
-            return len(item) if foreign.is_verl_dataproto(item) else rows_of(item)
-        except TypeError:
-            continue
-    return None
-
-
-def _walk(value: Any, depth: int = 0) -> Iterator[Any]:
-    """``value`` and what lists, tuples and dicts in it hold (4 levels deep)."""
-    yield value
-    if depth >= 4:
-        return
-    if type(value) in (list, tuple):
-        for v in value:
-            yield from _walk(v, depth + 1)
-    elif type(value) is dict:
-        for v in value.values():
-            yield from _walk(v, depth + 1)
-
-
-def _substitute(value: Any, values: dict[int, Any], depth: int = 0) -> Any:
-    """``value`` with each ``PlanValue`` replaced by this replay's value of it."""
-    if isinstance(value, PlanValue):
-        return values[value._index]
-    if depth >= 4:
-        return value
-    if type(value) in (list, tuple):
-        return type(value)(_substitute(v, values, depth + 1) for v in value)
-    if type(value) is dict:
-        return {k: _substitute(v, values, depth + 1) for k, v in value.items()}
-    return value
 
 
 @contextlib.contextmanager

@@ -154,7 +154,9 @@ class PlanPath:
         async def one(future: Any) -> int:
             rec = owned.records[future.key]
             response = await asyncio.wait_for(
-                client.rpc(rec.address).daskwg_part_info(key=future.key, session=rec.call.session, seq=rec.call.seq),
+                client.rpc(rec.address).daskwg_part_info(
+                    key=future.key, session=rec.call.session, seq=rec.call.seq
+                ),
                 timeout,
             )
             if response["status"] != "OK":

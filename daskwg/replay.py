@@ -1,0 +1,151 @@
+"""One replay of a step plan on the one-message route (``daskwg.plan``): ``CompiledReplay``
+cuts the step's inputs per rank as the calls' dispatch functions do, hands each call that
+reads an earlier one's output its own rank's part (a ``daskwg.wire.Slot``), sends every
+call at once (``daskwg.transport.planned``) and collects the step's outputs as the calls
+collect them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from distributed import Future
+
+from . import serialization
+from .config import Settings
+from .deadlines import current_limit
+from .decorator import Execute
+from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank
+from .errors import DispatchError
+from .futures import DataProtoFuture
+from .protocol import unpad_rows
+from .recorded import Op, PlanValue, batch_rows, edge, substitute, walk
+from .transport.planned import PlanEntry, PlanPath
+from .wire import Slot
+
+__all__ = ["CompiledReplay", "collect", "cut"]
+
+
+class CompiledReplay:
+    """One replay on the one-message route."""
+
+    def __init__(self, step: Any, inputs: dict):
+        self.step = step
+        self.inputs = inputs
+        self.placed: dict[int, tuple[list[int], int]] = {}
+        #: rows per rank of each rows-producing call's batch, and of its output, this replay
+        self.rows_in: dict[int, int | None] = {}
+        self.rows_out: dict[int, int] = {}
+
+    def run(self) -> tuple[Any, str | None]:
+        """``(outputs, None)``, or ``(None, reason)`` when this replay cannot take the route
+        (nothing was sent then)."""
+        step = self.step
+        settings = Settings.current()
+        blocking = any(op.group is not None and op.registered.blocking for op in step._ops)
+        outputs = {v._index for v in walk(step._outputs) if isinstance(v, PlanValue)}
+        entries: list[PlanEntry] = []
+        placed = self.placed = {}  # op -> (its entries, in rank order), its padding
+        values: dict[int, Any] = {}
+        timeouts = []
+        driver = None
+        for i, op in enumerate(step._ops):
+            if op.group is None:
+                values[i] = self.inputs[op.label[7:-1]]
+                continue
+            transport = op.group._transport
+            driver = transport.driver
+            n = op.group.world_size
+            ranks = [0] if op.registered.execute_mode == Execute.RANK_ZERO else list(range(n))
+            fns = op.group._dispatch_fns(op.registered)
+            top = [*op.args, *op.kwargs.values()]
+            fed = bool(top) and all(isinstance(v, PlanValue) and v._index in placed for v in top)
+            if fed:
+                for v in top:
+                    source_entries, pad = placed[v._index]
+                    if pad:
+                        return None, f"{step._ops[v._index].label} was padded this time"
+                payloads = [
+                    (
+                        tuple(self._slot(a, r, fns) for a in op.args),
+                        {k: self._slot(v, r, fns) for k, v in op.kwargs.items()},
+                    )
+                    for r in ranks
+                ]
+                pad = 0
+                if i in step._rows_producers:
+                    self.rows_in[i] = self.rows_out[top[0]._index]
+            else:
+                args, kwargs = substitute(op.args, values), substitute(op.kwargs, values)
+                if any(isinstance(v, (Future, DataProtoFuture)) for v in walk((args, kwargs))):
+                    return None, f"an argument of {op.group._name}.{op.method} is a future"
+                payloads, pad = cut(op, fns, args, kwargs, ranks)
+                if i in step._rows_producers:
+                    self.rows_in[i] = batch_rows(payloads[0])
+            if i in step._rows_producers:
+                out = (self.rows_in[i] or 0) * step._ratios[i]
+                if out.denominator != 1 or not out:
+                    return None, f"{op.group._name}.{op.method} would return {out} rows per rank"
+                self.rows_out[i] = int(out)
+            number = next(driver.call_numbers)
+            first = len(entries)
+            if i not in outputs:
+                result = "none"
+            else:
+                result = "return" if op.registered.blocking else "keep"
+            for r, payload in zip(ranks, payloads):
+                entries.append(PlanEntry(transport, r, op.method, number, payload, result))
+            placed[i] = (list(range(first, len(entries))), pad)
+            timeouts.append(op.registered.timeout)
+        replay = PlanPath(driver).send(entries, settings)
+        if blocking:
+            replay.blocking = True
+            limit = current_limit(
+                sum(timeouts) if all(t is not None for t in timeouts) else None, settings.call_timeout
+            )
+            replay.wait(limit, settings, step.name)
+        for i in outputs:
+            indices, pad = placed[i]
+            if step._ops[i].registered.blocking:
+                parts = [serialization.loads(replay.values[j]) for j in indices]
+            else:
+                parts = [replay.futures[j] for j in indices]
+            values[i] = collect(step._ops[i], parts, pad)
+        return substitute(step._outputs, values), None
+
+    def _slot(self, value: PlanValue, rank: int, fns: dict) -> Slot:
+        """Rank ``rank``'s part of an earlier call's output (its entries are in rank order)."""
+        source = self.step._ops[value._index]
+        rows = edge(source.group._dispatch_fns(source.registered), fns) == "rows"
+        return Slot(self.placed[value._index][0][rank], self.rows_out[value._index] if rows else 0)
+
+
+def cut(op: Op, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> tuple[list, int]:
+    """The call's per-rank ``(args, kwargs)`` and padding, cut as the call made alone cuts them
+    (``BoundGroup._call_registered``)."""
+    group = op.group
+    try:
+        d_args, d_kwargs = fns["dispatch_fn"](group, *args, **kwargs)
+    except DispatchError:
+        raise
+    except (TypeError, ValueError, IndexError) as exc:
+        raise DispatchError(f"{group._name}.{op.method}: {exc}") from exc
+    d_kwargs = dict(d_kwargs)
+    pad = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
+    check_per_rank(f"the dispatch function of {group._name}.{op.method}", group.world_size, d_args, d_kwargs)
+    return [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks], pad
+
+
+def collect(op: Op, parts: list, pad: int) -> Any:
+    """The call's result from its ranks' parts, as ``BoundGroup._call_registered`` collects it."""
+    group = op.group
+    outputs = RankOutputs(parts, method=op.method, ranks=list(range(len(parts))))
+    if op.registered.execute_mode == Execute.RANK_ZERO:
+        return outputs[0]
+    result = group._dispatch_fns(op.registered)["collect_fn"](group, outputs)
+    if result is outputs:
+        result = list(result)
+    if isinstance(result, DataProtoFuture):
+        result = dataclasses.replace(result, gather=group._gather_any)
+    return unpad_rows(result, pad)
