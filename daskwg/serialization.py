@@ -276,6 +276,22 @@ def snapshot(obj: Any, *, held: int = 1, arguments: Iterable[Any] = ()) -> Packe
 _NO_EXTRA: Counter = Counter()
 
 
+def private(obj: Any, *, held: int = 1) -> bool:
+    """Whether ``obj`` is its holders' alone: nothing else refers to it or to any tensor,
+    array or container in it (:func:`snapshot` would copy none of it), so it can be handed
+    on as it is. Objects of classes :func:`snapshot` does not walk count as shared.
+
+    Args:
+        obj: the value.
+        held: how many variables of the calling frames hold ``obj`` (as for :func:`snapshot`).
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return True
+    shared: list = []
+    _owned(obj, _ROOT_REFS + held - 1, True, set(), _NO_EXTRA, shared)
+    return not shared
+
+
 def _storage_private(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.layout != torch.strided:
         return True  # packing copies it to host memory or into index/value tensors anyway
@@ -290,39 +306,49 @@ def _storage_private(t: torch.Tensor) -> bool:
 
 
 def _owned(
-    x: Any, expected: int, parent_private: bool, private: set[int], extra: Counter = _NO_EXTRA
+    x: Any, expected: int, parent_private: bool, private: set[int], extra: Counter = _NO_EXTRA, shared=None
 ) -> None:
-    """Add to ``private`` the ids of the tensors/arrays in ``x`` nothing else refers to.
+    """Add to ``private`` the ids of the tensors/arrays in ``x`` nothing else refers to
+    (and to the list ``shared``, if given, whatever in ``x`` something else may hold).
 
     ``expected`` is the reference count ``x`` has when only its container holds it (as
     this walk visits it, calibrated once at import by :func:`_calibrate`); ``extra``
     counts the further references, by id, that do not count (the call's arguments).
     """
     alone = parent_private and sys.getrefcount(x) <= expected + extra.get(id(x), 0)
+    mine = False  # x itself (a tensor or array) is private
     if isinstance(x, torch.Tensor):
-        if alone and _storage_private(x):
-            private.add(id(x))
-        return
-    if isinstance(x, np.ndarray):
-        if x.dtype == object:
-            for item in x.reshape(-1):
-                if not isinstance(item, (str, bytes, int, float, bool, type(None))):
-                    _owned(item, _CHILD_REFS["array"], alone, private, extra)
-        elif alone and x.base is None and x.flags.owndata:
-            private.add(id(x))
-        return
-    if type(x) in (list, tuple):
+        mine = alone and _storage_private(x)
+    elif isinstance(x, np.ndarray) and x.dtype == object:
+        for item in x.reshape(-1):
+            if not isinstance(item, _SCALARS):
+                _owned(item, _CHILD_REFS["array"], alone, private, extra, shared)
+        mine = alone
+    elif isinstance(x, np.ndarray):
+        mine = alone and x.base is None and x.flags.owndata
+    elif type(x) in (list, tuple):
         for item in x:
-            _owned(item, _CHILD_REFS["list"], alone, private, extra)
+            _owned(item, _CHILD_REFS["list"], alone, private, extra, shared)
+        mine = alone
     elif type(x) is dict:
         for item in x.values():
-            _owned(item, _CHILD_REFS["dict"], alone, private, extra)
+            _owned(item, _CHILD_REFS["dict"], alone, private, extra, shared)
+        mine = alone
     elif type(x) is TensorDict:
         for item in x._tensordict.values():
-            _owned(item, _CHILD_REFS["td"], alone, private, extra)
+            _owned(item, _CHILD_REFS["td"], alone, private, extra, shared)
+        mine = alone
     elif isinstance(x, DataProto) or _is_verl_dataproto(type(x), x):
         for item in (x.batch, x.non_tensor_batch, x.meta_info):
-            _owned(item, _CHILD_REFS["dp"], alone, private, extra)
+            _owned(item, _CHILD_REFS["dp"], alone, private, extra, shared)
+        mine = alone
+    if mine and isinstance(x, (torch.Tensor, np.ndarray)) and x.dtype != object:
+        private.add(id(x))
+    elif not mine and shared is not None and not isinstance(x, _SCALARS):
+        shared.append(x)  # held elsewhere, or an object of a class this walk does not open
+
+
+_SCALARS = (str, bytes, int, float, bool, type(None))
 
 
 def _calibrate() -> tuple[int, dict[str, int], int]:

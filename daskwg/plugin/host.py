@@ -504,7 +504,7 @@ class HostPlugin(WorkerPlugin):
             # The arguments are gone now, unless the rank kept them: what the result
             # shares with them is the rank's own.
             del payload, args, kwargs
-            return snapshot(result, call, ())
+            return getattr(box, "pack", snapshot)(result, call, ())  # a step plan's hand-off
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
 
 

@@ -24,6 +24,7 @@ from ..errors import RankError
 from ..futures import rows_of
 from ..wire import Call, Slot
 from .exceptions import picklable, unpickling_error
+from .rank import snapshot
 
 __all__ = ["PlanRunner"]
 
@@ -113,7 +114,9 @@ class PlanRunner:
                 outcomes.append((False, exc))
                 held[i] = (exc, uses, False)
                 continue
-            box = [(args, kwargs)]
+            # A result only the next call here reads goes to it as it is, if the rank kept
+            # nothing of it (else as a snapshot, as any result).
+            box = _HandOff([(args, kwargs)]) if result == "none" and uses == 1 else [(args, kwargs)]
             del args, kwargs
             try:
                 packed = host._execute_counted(call, box, None, True)
@@ -123,7 +126,8 @@ class PlanRunner:
                 continue
             if uses:
                 held[i] = (packed, uses, result != "none")
-            outcomes.append((True, packed))
+            outcomes.append((True, None if result == "none" else packed))
+            del packed
         return outcomes
 
     def _take(self, value: Any, held: dict, call: Call) -> Any:
@@ -137,9 +141,13 @@ class PlanRunner:
             held[value.index] = (stored, uses, kept)
         else:
             del held[value.index]
-        # The last reader of a result that neither stays nor goes back uses it in place;
-        # any other reader gets its own.
-        out = serialization.loads(stored, copy=bool(uses or kept))
+        if isinstance(stored, _Live):
+            out = stored.value
+        else:
+            # The last reader of a result that neither stays nor goes back uses it in place;
+            # any other reader gets its own.
+            out = serialization.loads(stored, copy=bool(uses or kept))
+        del stored
         if value.rows and _rows(out) != value.rows:
             problem = ValueError(
                 f"the call before {call.method!r} returned {_rows(out)} rows on rank {call.rank} where the step's "
@@ -150,6 +158,27 @@ class PlanRunner:
             )
             raise RankError(call.rank, self.host.address, call.method, "", problem)
         return out
+
+
+class _Live:
+    """A result handed to the next call as it is (nothing else holds any of it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _HandOff(list):
+    """The box of a call whose result only the next call on its rank reads:
+    ``HostPlugin._invoke`` packs the result with :meth:`pack` instead of a snapshot."""
+
+    @staticmethod
+    def pack(result: Any, call: Call, arguments: tuple) -> Any:
+        # Held by _invoke's local and this argument, as rank.snapshot counts them.
+        if serialization.private(result, held=2):
+            return _Live(result)
+        return snapshot(result, call, arguments)
 
 
 def _rows(value: Any) -> int | None:
