@@ -98,13 +98,11 @@ class CompiledReplay:
                 entries.append(PlanEntry(transport, r, op.method, number, payload, result))
             placed[i] = (list(range(first, len(entries))), pad)
             timeouts.append(op.registered.timeout)
-        replay = PlanPath(driver).send(entries, settings)
+        wait = None
         if blocking:
-            replay.blocking = True
-            limit = current_limit(
-                sum(timeouts) if all(t is not None for t in timeouts) else None, settings.call_timeout
-            )
-            replay.wait(limit, settings, step.name)
+            seconds = sum(timeouts) if all(t is not None for t in timeouts) else None
+            wait = (current_limit(seconds, settings.call_timeout), step.name)
+        replay = PlanPath(driver).send(entries, settings, wait)
         for i in outputs:
             indices, pad = placed[i]
             if step._ops[i].registered.blocking:

@@ -12,6 +12,7 @@ closed a ``WorkerLostError``), so waiting on them is waiting on ordinary non-blo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import pickle
@@ -28,6 +29,7 @@ from ..wire import Call, Slot
 from .driver import Driver, TaskCall
 from .failures import TRANSFER_ERRORS, transfer_error
 from .owned import CallFuture
+from .streams import CallStreams
 from .submit import OPENING_WAIT
 from .waiting import timeout_error
 
@@ -70,11 +72,17 @@ class PlanPath:
     def __init__(self, driver: Driver):
         self.driver = driver
 
-    def send(self, entries: list[PlanEntry], settings: Settings) -> Replay:
+    def send(self, entries: list[PlanEntry], settings: Settings, wait: tuple | None = None) -> Replay:
         """Send one replay; returns its :class:`Replay` (per entry kept, a future).
 
         Arguments of at most ``daskwg.scatter-above`` bytes are copied, larger ones written
         before this returns, so changing them afterwards changes nothing the ranks get.
+
+        Args:
+            wait: ``(limit, name)``: wait for the whole replay (:meth:`Replay.wait`) before
+                returning. A replay that keeps nothing on the workers then runs on the
+                calling thread's own loop and call streams (``daskwg.transport.channel``),
+                as a blocking call does: no hop to the client's loop and back.
         """
         driver = self.driver
         slots = [e.transport.ranks.slots[e.rank] for e in entries]
@@ -127,10 +135,15 @@ class PlanPath:
                 (a, s, ix, m, p.buffers if big else [bytes(b) for b in p.buffers])
                 for a, s, ix, m, p in batches
             ]
+            channel = driver.channel() if wait is not None and not any(futures_of(entries)) else None
+            if channel is not None:
+                replay.blocking = True
+                channel.run(self._send_and_wait(replay, batches, channel, settings, *wait), fresh=False)
+                return replay
             opening = any(not driver.streams.is_open(a, s) for a, s, *_ in batches)
             written = threading.Event() if big or opening else None
             client = entries[0].transport.ranks.client
-            client.loop.add_callback(self._send_all, replay, batches, written)
+            client.loop.add_callback(self._send_all, replay, batches, written, driver.streams)
         except BaseException:
             # Calls that were never sent must not hold up later ones on their workers.
             for e, call in zip(entries, calls):
@@ -140,6 +153,9 @@ class PlanPath:
             written.wait()
         elif written is not None:
             written.wait(OPENING_WAIT)  # bounded: an unreachable worker fails the futures
+        if wait is not None:
+            replay.blocking = True
+            replay.wait(*wait, settings)
         return replay
 
     def part_rows(self, futures: list[Any], timeout: float) -> list[int]:
@@ -168,7 +184,16 @@ class PlanPath:
 
         return client.sync(every)
 
-    def _send_all(self, replay: Replay, batches: list, written: Any) -> None:
+    async def _send_and_wait(
+        self, replay: Replay, batches: list, channel: Any, settings: Settings, limit: Limit | None, name: str
+    ) -> None:
+        replay.event = asyncio.Event()
+        for address, server_id, indices, message, buffers in batches:
+            batch = _Batch(address, server_id, indices, replay)
+            asyncio.ensure_future(self._one(batch, message, buffers, _nothing, channel.streams))
+        await replay.wait_async(limit, settings, name, channel.pool)
+
+    def _send_all(self, replay: Replay, batches: list, written: Any, streams: CallStreams) -> None:
         remaining = [len(batches)]
 
         def one_written() -> None:
@@ -178,11 +203,13 @@ class PlanPath:
 
         for address, server_id, indices, message, buffers in batches:
             batch = _Batch(address, server_id, indices, replay)
-            asyncio.ensure_future(self._one(batch, message, buffers, one_written))
+            asyncio.ensure_future(self._one(batch, message, buffers, one_written, streams))
 
-    async def _one(self, batch: _Batch, message: tuple, buffers: list, written: Any) -> None:
+    async def _one(
+        self, batch: _Batch, message: tuple, buffers: list, written: Any, streams: CallStreams
+    ) -> None:
         try:
-            await self.driver.streams.send(
+            await streams.send(
                 batch.address, batch.server_id, message, buffers, functools.partial(self._reply, batch)
             )
         except OSError as exc:  # the stream closed, or could not be opened
@@ -270,16 +297,19 @@ class Replay:
         self.driver = driver
         self._waiting = batches
         self._cond = threading.Condition()
+        self.event: asyncio.Event | None = None  # set on each reply, when waited on its own loop
         self._replied: set[int] = set()
 
     def replied(self, indices: list[int]) -> None:
-        """The reply of the worker of these entries is in (the client's loop)."""
+        """The reply of the worker of these entries is in (the loop the replay was sent on)."""
         with self._cond:
             self._replied.update(indices)
             self._waiting -= 1
             self._cond.notify_all()
+        if self.event is not None:
+            self.event.set()
 
-    def wait(self, limit: Limit | None, settings: Settings, name: str) -> None:
+    def wait(self, limit: Limit | None, name: str, settings: Settings) -> None:
         """Until every worker replied. A failed call raises: the first in the driver's order,
         once every worker replied or ``daskwg.rank-failure-grace`` after the first failure
         (the others' may still come), as a group call raises its first rank's error.
@@ -288,33 +318,68 @@ class Replay:
             RankError, WorkerLostError, GroupBrokenError: a call failed.
             CallTimeoutError: ``limit`` passed first (the report names the calls still running).
         """
-        t0 = time.monotonic()
-        failed_at = None
-        transports = {id(e.transport): e.transport for e in self.entries}
+        t0, failed_at = time.monotonic(), [None]
         try:
             while True:
                 with self._cond:
-                    if self.errors and failed_at is None:
-                        failed_at = time.monotonic()
-                    if self._waiting <= 0 or (
-                        failed_at is not None and time.monotonic() - failed_at >= settings.rank_failure_grace
-                    ):
-                        if self.errors:
-                            raise self.errors[min(self.errors)]
-                        if self._waiting <= 0:
-                            return
-                    wait_s = settings.poll_interval
-                    if limit is not None:
-                        wait_s = min(wait_s, limit.remaining())
+                    wait_s = self._verdict(limit, settings, failed_at)
+                    if wait_s is None:
+                        return
                     if wait_s > 0:
                         self._cond.wait(wait_s)
-                for transport in transports.values():
-                    transport.failures.check_scheduler()
+                self._check()
                 if limit is not None and limit.remaining() <= 0 and self._waiting > 0:
-                    raise self._timeout_error(limit, time.monotonic() - t0, settings, name)
+                    client = self.entries[0].transport.ranks.client
+                    raise client.sync(
+                        _timeout_error, *self._deadline(limit, time.monotonic() - t0, settings, client.rpc)
+                    )
         except (KeyboardInterrupt, asyncio.CancelledError):
             self._abandon("interrupted")
             raise
+
+    async def wait_async(self, limit: Limit | None, settings: Settings, name: str, pool: Any) -> None:
+        """:meth:`wait` on the loop the replay was sent on (``pool``: that loop's connections)."""
+        t0, failed_at = time.monotonic(), [None]
+        try:
+            while True:
+                wait_s = self._verdict(limit, settings, failed_at)
+                if wait_s is None:
+                    return
+                self.event.clear()
+                if wait_s > 0:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.event.wait(), wait_s)
+                self._check()
+                if limit is not None and limit.remaining() <= 0 and self._waiting > 0:
+                    raise await _timeout_error(*self._deadline(limit, time.monotonic() - t0, settings, pool))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            self._abandon("interrupted")
+            raise
+
+    def _verdict(self, limit: Limit | None, settings: Settings, failed_at: list) -> float | None:
+        """``None`` when the wait is over (or raises the replay's first error); else the
+        seconds to wait for news before looking again."""
+        if self.errors and failed_at[0] is None:
+            failed_at[0] = time.monotonic()
+        if self._waiting <= 0 or (
+            failed_at[0] is not None and time.monotonic() - failed_at[0] >= settings.rank_failure_grace
+        ):
+            if self.errors:
+                raise self.errors[min(self.errors)]
+            if self._waiting <= 0:
+                return None
+        wait_s = settings.poll_interval
+        return wait_s if limit is None else min(wait_s, limit.remaining())
+
+    def _check(self) -> None:
+        """Raise at once for the scheduler gone or a worker taken as lost (its heartbeat)
+        while its part of the replay has not replied."""
+        for i in self._unfinished():
+            transport = self.entries[i].transport
+            transport.failures.check_scheduler()
+            if transport.ranks.is_lost(self.calls[i].rank):
+                self._abandon("lost")
+                raise transport.failures.lost(self.calls[i].rank)
 
     def _unfinished(self) -> list[int]:
         """Entries of the workers that have not replied."""
@@ -328,7 +393,8 @@ class Replay:
         for transport, calls in by_transport.values():
             transport.failures.abandon_calls(calls, why)
 
-    def _timeout_error(self, limit: Limit, waited: float, settings: Settings, name: str) -> BaseException:
+    def _deadline(self, limit: Limit, waited: float, settings: Settings, rpc: Any) -> tuple:
+        """Give up the unfinished calls; the arguments of :func:`_timeout_error` for them."""
         unfinished = self._unfinished()
         self._abandon("deadline")
         first = self.entries[unfinished[0]].transport
@@ -336,10 +402,16 @@ class Replay:
         for i in unfinished:
             if self.entries[i].transport is first:
                 candidates.setdefault(self.calls[i].rank, []).append(self.calls[i])
-        client = first.ranks.client
-        return client.sync(
-            _timeout_error, first.ranks, client.rpc, candidates, limit, waited, settings.status_timeout
-        )
+        return first.ranks, rpc, candidates, limit, waited, settings.status_timeout
+
+
+def futures_of(entries: list[PlanEntry]) -> list[PlanEntry]:
+    """The entries whose results stay on the workers, with futures in the driver."""
+    return [e for e in entries if e.result == "keep"]
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _timeout_error(
