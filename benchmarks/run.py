@@ -40,6 +40,7 @@ import functools
 import json
 import os
 import platform
+import re
 import resource
 import socket
 import statistics
@@ -86,7 +87,8 @@ ROW_REPS = {
     "roundtrip": 4,
     "view": 1,  # verl returns the whole 1 GiB tensor behind a view: seconds per call
 }
-ONCE = ("timings", "rss")  # measured once, after the runs
+ONCE = ("timings", "rss", "grpo")  # measured once, after the runs
+GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
 ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
 TINY_ROWS = 16  # rows of the tiny batch of the 6-call chain
@@ -1721,7 +1723,45 @@ def pool_runs(runs: list[dict], name: str) -> dict | None:
     return {"samples": samples, "extra": extra}
 
 
-def assemble(runs: list[dict], res: dict, rss: dict) -> tuple[str, dict]:
+def run_grpo(plan: bool, steps: int) -> dict:
+    """``examples/grpo.py`` (colocated, 4 ranks, its own local cluster) for ``steps`` steps,
+    with or without ``--plan``: its step time and final weights."""
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "grpo.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["--steps", str(steps), "--min-reward", "0", "--final-window", "2", "--checkpoint-every", "0"]
+        args += ["--checkpoint-dir", tmp, "--out", os.path.join(tmp, "grpo.png")] + (
+            ["--plan"] if plan else []
+        )
+        proc = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"examples/grpo.py {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    step_s = re.search(r"\(([0-9.]+) s/step\)", proc.stdout)
+    weights = re.search(r"\(sha256 ([0-9a-f]+)", proc.stdout)
+    route = re.search(r"step plan: .*", proc.stdout)
+    return {
+        "step_s": float(step_s.group(1)),
+        "weights": weights.group(1) if weights else "?",
+        "route": route.group(0) if route else "",
+    }
+
+
+def build_grpo_report(grpo: dict) -> str:
+    """The GRPO step time with and without ``--plan``."""
+    plain, planned = grpo["calls"], grpo["plan"]
+    same = "yes" if plain["weights"] == planned["weights"] else "**no**"
+    return "\n".join(
+        [
+            f"| `examples/grpo.py`, colocated, 4 ranks, {grpo['steps']} steps | s/step | ÷ without `--plan` | "
+            "final weights as without `--plan` |",
+            "|---|---|---|---|",
+            f"| the calls one by one | {plain['step_s']:.3f} | 1.00 | |",
+            f"| `--plan` ({planned['route'] or 'no plan line'}) | {planned['step_s']:.3f} | "
+            f"{planned['step_s'] / plain['step_s']:.2f} | {same} |",
+        ]
+    )
+
+
+def assemble(runs: list[dict], res: dict, rss: dict, grpo: dict | None = None) -> tuple[str, dict]:
     """Every table of the report, in order, and every verdict."""
     parts, verdicts = [], {}
     if runs:
@@ -1737,6 +1777,8 @@ def assemble(runs: list[dict], res: dict, rss: dict) -> tuple[str, dict]:
         table, v = build_report(res, rss)
         parts += ["", "### Measured once", "", table]
         verdicts.update(v)
+    if grpo:
+        parts += ["", "### The main job's step, with and without a step plan", "", build_grpo_report(grpo)]
     return "\n".join(parts), verdicts
 
 
@@ -1825,6 +1867,11 @@ DISCUSSION = """\
   For Ray that includes starting one actor process per rank (that is what a
   `RayWorkerGroup` is); Dask workers already exist and the group instantiates the class
   inside them. Starting the runtime itself is listed separately.
+* The main job's step: `examples/grpo.py` (colocated, 4 ranks, its own local cluster,
+  checkpoints off) for `GRPO_STEPS` steps, once as it is (the step's calls one by one)
+  and once with `--plan` (the step recorded once and replayed), each as printed by the
+  job (`s/step`, the whole training divided by the steps); the final weights' checksums
+  must agree. Its step is mostly the GRU's own compute, which a plan does not change.
 """
 
 TARGETS_TEXT = (
@@ -1971,7 +2018,7 @@ def main() -> None:
         with open(args.from_json) as f:
             saved = json.load(f)
         runs, res, rss = saved.get("runs", []), saved.get("results", {}), saved.get("rss", {})
-        report, verdicts = assemble(runs, res, rss)
+        report, verdicts = assemble(runs, res, rss, saved.get("grpo"))
         print(report)
         if args.write:
             versions = collect_versions(runs, res)
@@ -1997,7 +2044,7 @@ def main() -> None:
             f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
         )
         runs.append(run)
-    res, rss = {}, {}
+    res, rss, grpo = {}, {}, {}
     if any(r in ONCE for r in rows):
         print(f"[bench] measured once: load average {_load()}", flush=True)
         passthrough = ["--ranks", args.ranks, *quick]
@@ -2008,12 +2055,18 @@ def main() -> None:
             if "rss" in rows:
                 print(f"[bench] {name}: driver memory", flush=True)
                 rss[name] = spawn(["--child", name, "--rss", *passthrough])
+        if "grpo" in rows and "daskwg" in systems:
+            steps = 4 if args.quick else GRPO_STEPS
+            print(f"[bench] examples/grpo.py, {steps} steps, without and with --plan", flush=True)
+            grpo = {"steps": steps, "calls": run_grpo(False, steps), "plan": run_grpo(True, steps)}
         print(f"[bench] measured once: done, load average {_load()}", flush=True)
     mach = machine()
     wall = time.time() - t0
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "results": res, "rss": rss, "machine": mach, "wall_s": wall}, f)
+            json.dump(
+                {"runs": runs, "results": res, "rss": rss, "grpo": grpo, "machine": mach, "wall_s": wall}, f
+            )
     if set(systems) != {"daskwg", "verl"}:
         for name in systems:
             for run in runs:
@@ -2024,7 +2077,7 @@ def main() -> None:
             for key, samples in res.get(name, {}).get("samples", {}).items():
                 print(f"{name:7s} {key:28s} {cell(samples)}")
         return
-    report, verdicts = assemble(runs, res, rss)
+    report, verdicts = assemble(runs, res, rss, grpo)
     print(report)
     print("\nmet:", verdicts)
     print(f"[bench] whole run {wall:.0f} s")
