@@ -94,6 +94,10 @@ class StepPlan:
         """What every replay returns: one value, or a tuple of several (recorded calls'
         outputs, or anything else). Without it a replay returns the last call's output."""
         self._check_recording("output")
+        if self._has_outputs:
+            raise ValueError(
+                f"step {self.name!r} has its outputs already: name them all in one step.output(...)"
+            )
         self._check_values(values, "the outputs")
         self._outputs = values[0] if len(values) == 1 else tuple(values)
         self._has_outputs = True
@@ -163,8 +167,15 @@ class StepPlan:
             DispatchError: an argument cannot be cut per rank or pickled (before anything runs).
             RankError, WorkerLostError, GroupBrokenError, CallTimeoutError: as the calls fail.
         """
-        if self._recording or self._static == "not recorded yet":
-            raise RuntimeError(f"step {self.name!r} is run after its with daskwg.plan() block")
+        if self._recording:
+            raise RuntimeError(
+                f"step {self.name!r} is being recorded: replay it after its with daskwg.plan() block"
+            )
+        if self._static == "not recorded yet":
+            raise RuntimeError(
+                f"the recording of step {self.name!r} ended with an exception: record the step again"
+            )
+        self.route = None
         missing = sorted(set(self._inputs) - set(inputs))
         unknown = sorted(set(inputs) - set(self._inputs))
         if missing or unknown:

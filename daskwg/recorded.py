@@ -72,6 +72,12 @@ class PlanValue:
     def __repr__(self) -> str:
         return f"<PlanValue {self._label} of {self._step!r}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self._label} is a PlanValue, a stand-in inside the with daskwg.plan() block that recorded it: "
+            "pass it to calls recorded in that block; replay the step with step.run(...) for values"
+        )
+
 
 @dataclasses.dataclass
 class Op:

@@ -44,7 +44,9 @@ class CompiledReplay:
         step = self.step
         settings = Settings.current()
         blocking = any(op.group is not None and op.registered.blocking for op in step._ops)
-        outputs = {v._index for v in walk(step._outputs) if isinstance(v, PlanValue)}
+        outputs = {
+            v._index for v in walk(step._outputs) if isinstance(v, PlanValue) and step._ops[v._index].group
+        }
         entries: list[PlanEntry] = []
         placed = self.placed = {}  # op -> (its entries, in rank order), its padding
         values: dict[int, Any] = {}
@@ -95,7 +97,9 @@ class CompiledReplay:
             else:
                 result = "return" if op.registered.blocking else "keep"
             for r, payload in zip(ranks, payloads):
-                entries.append(PlanEntry(transport, r, op.method, number, payload, result))
+                entries.append(
+                    PlanEntry(transport, r, op.method, number, payload, result, op.registered.blocking)
+                )
             placed[i] = (list(range(first, len(entries))), pad)
             timeouts.append(op.registered.timeout)
         wait = None

@@ -266,9 +266,11 @@ def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:
     """One replay of a step plan on one worker, on its call stream, the arguments' buffers
     beside it: ``("plan", id, entries, arguments' pickle header, inline)``.
 
-    ``entries``: per call, in the driver's order, ``(call fields, key, keep, uses)``: ``key``
-    the call's future (``None``: none), ``keep`` whether its result stays on the worker under
-    ``key``, ``uses`` how many later calls of the message read it (:class:`Slot`); the
+    ``entries``: per call, in the driver's order, ``(call fields, key, result, uses, stop)``:
+    ``key`` the call's future (``None``: none), ``result`` ``"keep"`` (it stays on the worker
+    under ``key``), ``"return"`` (it comes back with the reply) or ``"none"``, ``uses`` how
+    many later calls of the message read it (:class:`Slot`), ``stop`` whether the message's
+    later calls are not run if this one fails (a blocking method's); the
     arguments: the pickled list of every call's ``(args, kwargs)``. The reply's header is the
     pickled list of per call ``(status, nbytes, error, result header, result buffer count)``,
     the results' buffers beside it, in order. The id is the stream's to set.

@@ -35,6 +35,12 @@ class StepWorker(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def boom_on_rank_one(self, x: int) -> int:
+        if self.rank == 1:
+            raise ValueError(f"boom {x}")
+        return x
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
 

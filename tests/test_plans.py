@@ -3,6 +3,7 @@ the same calls made one by one give, with the same errors, on real 4-process clu
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -156,6 +157,14 @@ def test_a_call_reading_other_ranks_parts_replays_call_by_call(wg):
     assert "reads more than its own rank's part" in step.route
 
 
+def test_a_step_input_among_the_outputs_comes_back_as_given(wg):
+    with daskwg.plan("echo") as step:
+        x = step.input("x")
+        step.output(wg.scale(x), x, "constant")
+    assert step.run(x=7) == ([14, 15, 16, 17], 7, "constant")
+    assert step.route == COMPILED
+
+
 # ---------------------------------------------------------------- order and copies
 
 
@@ -254,6 +263,32 @@ def test_a_rank_that_raises_fails_the_replay_with_its_rank_error(wg):
     assert wg.tick([0, 0, 0, 0]) == [1, 1, 1, 1]  # the group goes on
 
 
+def test_after_a_blocking_call_raises_the_rank_runs_none_of_the_steps_later_calls(wg):
+    wg.history()
+    with daskwg.plan("stop") as step:
+        x = step.input("x")
+        wg.note("first")
+        wg.boom_on_rank_one(x)
+        wg.note("after")
+    with pytest.raises(RankError, match="boom 3") as info:
+        step.run(x=3)
+    assert step.route == COMPILED and info.value.rank == 1
+    logs = wg.history()
+    assert logs[1] == ["first"]  # as the calls one by one would stop at the failing call
+    assert logs[0] == ["first", "after"]  # ranks on other workers ran their part, already sent
+
+
+def test_an_input_that_cannot_be_pickled_raises_dispatch_error_before_anything_runs(wg):
+    wg.history()
+    with daskwg.plan("lock") as step:
+        wg.note("ran")
+        wg.add_rank(step.input("xs"))
+    with pytest.raises(daskwg.DispatchError, match="cannot be pickled"):
+        step.run(xs=[threading.Lock(), 1, 2, 3])
+    assert wg.history() == [[]] * 4
+    assert wg.tick([0, 0, 0, 0]) == [1, 1, 1, 1]  # nothing waits for the calls never sent
+
+
 def test_a_deadline_during_a_replay_raises_call_timeout_error_naming_the_running_call(wg):
     with daskwg.plan("slow") as step:
         wg.scale(step.input("x"))
@@ -280,6 +315,23 @@ def test_replaying_with_a_missing_or_unknown_input_is_refused_before_anything_ru
     with pytest.raises(TypeError, match=r"missing \['x'\]; unknown \['y'\]"):
         step.run(y=1)
     assert wg.history() == [[]] * 4
+
+
+def test_misused_steps_and_stand_ins_say_what_to_do(wg):
+    with daskwg.plan("misuse") as step:
+        out = wg.scale(step.input("x"))
+        step.output(out)
+        with pytest.raises(ValueError, match="outputs already"):
+            step.output(out)
+        with pytest.raises(RuntimeError, match="replay it after its with daskwg.plan"):
+            step.run(x=1)
+    with pytest.raises(daskwg.DispatchError, match="a PlanValue, a stand-in"):
+        wg.scale(out)
+    with pytest.raises(KeyError), daskwg.plan("broken") as broken:
+        wg.scale(broken.input("x"))
+        raise KeyError("inside the block")
+    with pytest.raises(RuntimeError, match="ended with an exception: record the step again"):
+        broken.run(x=1)
 
 
 def test_recording_refuses_nesting_execute_calls_and_empty_steps(wg):

@@ -45,10 +45,10 @@ class PlanRunner:
         result)`` as ``HostPlugin.run`` does (``result``: the snapshot to send back, or ``None``).
 
         Args:
-            entries: per call ``(call fields, key, result, uses)``: ``result`` ``"keep"`` (the
-                result stays here under ``key``, the key of its future in the driver),
+            entries: per call ``(call fields, key, result, uses, stop)``: ``result`` ``"keep"``
+                (the result stays here under ``key``, the key of its future in the driver),
                 ``"return"`` (it goes back with the reply) or ``"none"``; ``uses``: how many
-                later calls here read it.
+                later calls here read it; ``stop``: if it fails, the later calls do not run.
             payload: the calls' ``(args, kwargs)``, pickled together, in order.
             inline: bytes up to which a kept result comes back with the reply as well.
         """
@@ -62,7 +62,7 @@ class PlanRunner:
             error = unpickling_error(calls[0], host.address, exc)
             return [("error", None, error, None)] * len(calls)
         del payload
-        for call, (_, key, result, _uses) in zip(calls, entries):
+        for call, (_, key, result, *_rest) in zip(calls, entries):
             if result == "keep":
                 host.results.expect(key, call.session)
         first = calls[0]
@@ -83,7 +83,7 @@ class PlanRunner:
             host.calls.dequeue(first)
             outcomes = [(False, picklable(exc))] * len(calls)
         replies = []
-        for (_, key, result, _uses), (ok, value) in zip(entries, outcomes):
+        for (_, key, result, *_rest), (ok, value) in zip(entries, outcomes):
             if not ok:
                 if result == "keep":
                     host.results.fail(key, value)
@@ -103,16 +103,22 @@ class PlanRunner:
         host = self.host
         held: dict[int, tuple] = {}  # index -> (snapshot or error, uses left, also kept or sent back)
         outcomes: list[tuple] = []
+        stopped: BaseException | None = None  # a blocking call failed: the rest does not run
         for i, (call, entry) in enumerate(zip(calls, entries)):
-            _, _key, result, uses = entry
+            _, _key, result, uses, stop = entry
             args, kwargs = payloads[i]
             payloads[i] = None
+            if stopped is not None:
+                outcomes.append((False, stopped))
+                held[i] = (stopped, uses, False)
+                continue
             try:
                 args = tuple(self._take(a, held, call) for a in args)
                 kwargs = {k: self._take(v, held, call) for k, v in kwargs.items()}
             except BaseException as exc:  # noqa: BLE001 - an input's own error, or a shape check
                 outcomes.append((False, exc))
                 held[i] = (exc, uses, False)
+                stopped = exc if stop else None
                 continue
             # A result only the next call here reads goes to it as it is, if the rank kept
             # nothing of it (else as a snapshot, as any result).
@@ -121,8 +127,10 @@ class PlanRunner:
             try:
                 packed = host._execute_counted(call, box, None, True)
             except BaseException as exc:  # noqa: BLE001 - shaped by _execute for the driver
-                outcomes.append((False, picklable(exc)))
-                held[i] = (exc, uses, False)
+                error = picklable(exc)
+                outcomes.append((False, error))
+                held[i] = (error, uses, False)
+                stopped = error if stop else None
                 continue
             if uses:
                 held[i] = (packed, uses, result != "none")

@@ -32,7 +32,7 @@ from .submit import SubmitPath
 from .tasks import TaskPath
 from .waiting import Waiter
 
-__all__ = ["GroupTransport"]
+__all__ = ["GroupTransport", "pack_arguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class GroupTransport:
             ]
         # Packed before the call takes its place in the order: an argument that cannot be
         # pickled fails here, naming it, and no rank ever waits for a call that cannot arrive.
-        packed = [_pack_arguments(method_name, p, raw_payload) for p in payloads]
+        packed = [pack_arguments(method_name, p, raw_payload) for p in payloads]
         # Futures no group call made need Dask to resolve them: those calls go as tasks.
         task_path = needs_dask(lazies)
         slots = [self.ranks.slots[r] for r in ranks]
@@ -346,7 +346,7 @@ class GroupTransport:
             logger.info("group %s was garbage-collected without shutdown(): released its ranks", ranks.name)
 
 
-def _pack_arguments(method: str, payload: Any, raw: bool) -> serialization.Packed:
+def pack_arguments(method: str, payload: Any, raw: bool) -> serialization.Packed:
     """``serialization.dumps(payload)``, or a :class:`DispatchError` naming the argument
     that cannot be pickled (raised in the driver, before the call is sent anywhere)."""
     try:

@@ -28,6 +28,7 @@ from ..errors import GroupBrokenError
 from ..wire import Call, Slot
 from .driver import Driver, TaskCall
 from .failures import TRANSFER_ERRORS, transfer_error
+from .group_transport import pack_arguments
 from .owned import CallFuture
 from .streams import CallStreams
 from .submit import OPENING_WAIT
@@ -52,6 +53,8 @@ class PlanEntry:
         result: what becomes of its result: ``"keep"`` (it stays on the worker under the key
             of a future the driver gets), ``"return"`` (it comes back with the reply, as a
             blocking call's does) or ``"none"`` (only that the call ended comes back).
+        blocking: the method is registered blocking: if it fails, the replay's later calls
+            on its worker do not run (the calls one by one would stop there).
     """
 
     transport: Any
@@ -60,6 +63,7 @@ class PlanEntry:
     call_number: int
     payload: tuple
     result: str
+    blocking: bool = False
 
 
 class PlanPath:
@@ -126,8 +130,8 @@ class PlanPath:
                         futures[i] = driver.owned.create(call, keys[i], address)
                         driver.calls[futures[i]] = TaskCall(call, now, settings.paused_timeout)
                         driver.inflight.add(server_id, futures[i])
-                    wire_entries.append((call.to_wire(), keys[i], e.result, uses[j]))
-                packed = serialization.dumps(payloads, arguments=True)
+                    wire_entries.append((call.to_wire(), keys[i], e.result, uses[j], e.blocking))
+                packed = _pack(payloads, [entries[i].method for i in indices])
                 message = wire.plan_message(wire_entries, packed.header, settings.inline_results)
                 batches.append((address, server_id, indices, message, packed))
             big = any(p.nbytes > settings.scatter_above for *_, p in batches)
@@ -403,6 +407,17 @@ class Replay:
             if self.entries[i].transport is first:
                 candidates.setdefault(self.calls[i].rank, []).append(self.calls[i])
         return first.ranks, rpc, candidates, limit, waited, settings.status_timeout
+
+
+def _pack(payloads: list, methods: list[str]) -> serialization.Packed:
+    """The worker's calls' arguments pickled together; an argument that cannot be pickled
+    raises the ``DispatchError`` naming it that the call made alone raises."""
+    try:
+        return serialization.dumps(payloads, arguments=True)
+    except Exception:  # noqa: BLE001 - pickling raises anything: find the argument
+        for method, payload in zip(methods, payloads):
+            pack_arguments(method, payload, False)
+        raise
 
 
 def futures_of(entries: list[PlanEntry]) -> list[PlanEntry]:
