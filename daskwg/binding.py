@@ -12,7 +12,6 @@ and ``RayWorkerGroup``'s ``execute_*``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -20,11 +19,9 @@ from typing import Any
 from distributed import Future
 
 from . import plans
+from .calling import collect, cut
 from .decorator import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
-from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank, dispatch_all_to_all, dispatch_one_to_all
-from .errors import DispatchError
-from .futures import DataProtoFuture
-from .protocol import unpad_rows
+from .dispatch import dispatch_all_to_all, dispatch_one_to_all
 
 __all__ = ["BoundGroup", "split_or_broadcast"]
 
@@ -130,35 +127,20 @@ class BoundGroup:
             return step.record(self, method_name, registered, args, kwargs)
         fns = self._dispatch_fns(registered)
         self._check_usable(method_name)
-        try:
-            d_args, d_kwargs = fns["dispatch_fn"](self, *args, **kwargs)
-        except DispatchError:
-            raise
-        except (TypeError, ValueError, IndexError) as exc:
-            raise DispatchError(f"{self._name}.{method_name}: {exc}") from exc
-        d_kwargs = dict(d_kwargs)
-        pad_size = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
-        check_per_rank(
-            f"the dispatch function of {self._name}.{method_name}", self.world_size, d_args, d_kwargs
+        ranks = [0] if registered.execute_mode == Execute.RANK_ZERO else list(range(self.world_size))
+        payloads, pad_size = cut(self, method_name, fns, args, kwargs, ranks)
+        # The group lets go of the parts, so concatenation can free each one as it goes.
+        return collect(
+            self,
+            method_name,
+            registered,
+            fns,
+            self._send(
+                method_name, ranks, payloads, blocking=registered.blocking, timeout=registered.timeout
+            ),
+            ranks,
+            pad_size,
         )
-
-        rank_zero_only = registered.execute_mode == Execute.RANK_ZERO
-        ranks = [0] if rank_zero_only else list(range(self.world_size))
-        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks]
-        outputs = self._send(
-            method_name, ranks, payloads, blocking=registered.blocking, timeout=registered.timeout
-        )
-        # The group lets go of the parts, so concatenation can free each one as it goes;
-        # the method name and ranks let a collect error say whose outputs it was merging.
-        outputs = RankOutputs(outputs, method=method_name, ranks=ranks)
-        if rank_zero_only:
-            return outputs[0]
-        result = fns["collect_fn"](self, outputs)
-        if result is outputs:
-            result = list(result)
-        if isinstance(result, DataProtoFuture):
-            result = dataclasses.replace(result, gather=self._gather_any)
-        return unpad_rows(result, pad_size)
 
     def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
         n = self.world_size

@@ -7,24 +7,21 @@ collect them.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from distributed import Future
 
 from . import serialization
+from .calling import collect, cut
 from .config import Settings
 from .deadlines import current_limit
 from .decorator import Execute
-from .dispatch import PADDING_SIZE_KEY, RankOutputs, check_per_rank
-from .errors import DispatchError
 from .futures import DataProtoFuture
-from .protocol import unpad_rows
-from .recorded import Op, PlanValue, batch_rows, edge, substitute, walk
+from .recorded import PlanValue, batch_rows, edge, substitute, walk
 from .transport.planned import PlanEntry, PlanPath
 from .wire import Slot
 
-__all__ = ["CompiledReplay", "collect", "cut"]
+__all__ = ["CompiledReplay"]
 
 
 class CompiledReplay:
@@ -82,7 +79,7 @@ class CompiledReplay:
                 args, kwargs = substitute(op.args, values), substitute(op.kwargs, values)
                 if any(isinstance(v, (Future, DataProtoFuture)) for v in walk((args, kwargs))):
                     return None, f"an argument of {op.group._name}.{op.method} is a future"
-                payloads, pad = cut(op, fns, args, kwargs, ranks)
+                payloads, pad = cut(op.group, op.method, fns, args, kwargs, ranks)
                 if i in step._rows_producers:
                     self.rows_in[i] = batch_rows(payloads[0])
             if i in step._rows_producers:
@@ -113,7 +110,12 @@ class CompiledReplay:
                 parts = [serialization.loads(replay.values[j]) for j in indices]
             else:
                 parts = [replay.futures[j] for j in indices]
-            values[i] = collect(step._ops[i], parts, pad)
+            op = step._ops[i]
+            ranks = [0] if op.registered.execute_mode == Execute.RANK_ZERO else list(range(len(parts)))
+            values[i] = collect(
+                op.group, op.method, op.registered, op.group._dispatch_fns(op.registered), parts, ranks, pad
+            )
+            del parts
         return substitute(step._outputs, values), None
 
     def _slot(self, value: PlanValue, rank: int, fns: dict) -> Slot:
@@ -121,33 +123,3 @@ class CompiledReplay:
         source = self.step._ops[value._index]
         rows = edge(source.group._dispatch_fns(source.registered), fns) == "rows"
         return Slot(self.placed[value._index][0][rank], self.rows_out[value._index] if rows else 0)
-
-
-def cut(op: Op, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> tuple[list, int]:
-    """The call's per-rank ``(args, kwargs)`` and padding, cut as the call made alone cuts them
-    (``BoundGroup._call_registered``)."""
-    group = op.group
-    try:
-        d_args, d_kwargs = fns["dispatch_fn"](group, *args, **kwargs)
-    except DispatchError:
-        raise
-    except (TypeError, ValueError, IndexError) as exc:
-        raise DispatchError(f"{group._name}.{op.method}: {exc}") from exc
-    d_kwargs = dict(d_kwargs)
-    pad = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
-    check_per_rank(f"the dispatch function of {group._name}.{op.method}", group.world_size, d_args, d_kwargs)
-    return [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks], pad
-
-
-def collect(op: Op, parts: list, pad: int) -> Any:
-    """The call's result from its ranks' parts, as ``BoundGroup._call_registered`` collects it."""
-    group = op.group
-    outputs = RankOutputs(parts, method=op.method, ranks=list(range(len(parts))))
-    if op.registered.execute_mode == Execute.RANK_ZERO:
-        return outputs[0]
-    result = group._dispatch_fns(op.registered)["collect_fn"](group, outputs)
-    if result is outputs:
-        result = list(result)
-    if isinstance(result, DataProtoFuture):
-        result = dataclasses.replace(result, gather=group._gather_any)
-    return unpad_rows(result, pad)

@@ -125,16 +125,6 @@ def test_the_step_as_a_plan_trains_the_same_weights_with_one_message_per_worker(
     assert number(planned.stdout, "final mean reward") == number(proc.stdout, "final mean reward")
 
 
-def test_plan_and_async_are_refused_together():
-    proc = subprocess.run(
-        [sys.executable, EXAMPLE, "--plan", "--async", "--placement", "split"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--plan records the step from the prompts to the update" in proc.stderr
-
-
 @pytest.fixture(scope="module")
 def cli_cluster6():
     cluster = CLICluster(6)
@@ -227,6 +217,10 @@ def test_async_needs_the_split_placement():
         (
             ["--kill-worker-at-step", "50", "--steps", "5"],
             "--kill-worker-at-step counts steps from 1 to --steps (5)",
+        ),
+        (
+            ["--plan", "--async", "--placement", "split"],
+            "--plan records the step from the prompts to the update",
         ),
     ],
 )
