@@ -155,8 +155,12 @@ class Owned:
     def __init__(self, client: Client, streams: CallStreams):
         self.client = client
         self.records: dict[str, OwnedResult] = {}
-        #: notified (from the client's loop) whenever a result finishes, fails or is cancelled.
+        #: held while a result settles (on the client's loop) and while a waiter checks them.
         self.cond = threading.Condition()
+        # Calling threads waiting in wait(): (their event, what they wait for); an event is
+        # set only once what its thread waits for holds, so a thread waiting for a whole
+        # call's results wakes once, not at every rank's reply.
+        self._waiters: list[tuple[threading.Event, Any]] = []
         self.streams = streams
         self._frees: dict[tuple[str, str | None], list[str]] = {}
         self._to_register: list[OwnedResult] = []
@@ -245,6 +249,9 @@ class Owned:
                 setattr(rec, name, value)
             rec.pinned = ()
             self.cond.notify_all()
+            for event, ready in self._waiters:
+                if not event.is_set() and ready():
+                    event.set()
         if status == FINISHED and rec.state.status == PENDING:
             rec.state.status = FINISHED
         rec.state._settled.set()
@@ -377,10 +384,27 @@ class Owned:
 
     # ---- waiting and reading (calling threads) -------------------------------------
 
-    def wait(self, records: Sequence[OwnedResult], timeout: float | None) -> None:
-        """Wait up to ``timeout`` seconds until one of ``records`` is no longer pending."""
+    def wait(self, records: Sequence[OwnedResult], timeout: float | None, *, every: bool = False) -> None:
+        """Wait up to ``timeout`` seconds until one of ``records`` is no longer pending;
+        ``every=True``: until none is pending, or one failed or was cancelled."""
+
+        def ready() -> bool:
+            if every:
+                return all(r.status != PENDING for r in records) or any(
+                    r.status in (ERROR, CANCELLED) for r in records
+                )
+            return any(r.status != PENDING for r in records)
+
         with self.cond:
-            self.cond.wait_for(lambda: any(r.status != PENDING for r in records), timeout)
+            if ready():
+                return
+            waiter = (threading.Event(), ready)
+            self._waiters.append(waiter)
+        try:
+            waiter[0].wait(timeout)
+        finally:
+            with self.cond:
+                self._waiters.remove(waiter)
 
     async def fetch(self, keys: Sequence[str], rpc: Any) -> list:
         """The values of these finished results, each from its worker (``rpc``: the caller's

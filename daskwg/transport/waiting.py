@@ -195,17 +195,19 @@ class Waiter:
                     )
                 wait_s = min(wait_s, limit.remaining())
             try:
-                self.wait_first(pending, max(wait_s, 0.001))
+                self.wait_first(pending, max(wait_s, 0.001), every=True)
             except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                 pass  # a cancelled future is reported by the next round
 
-    def wait_first(self, futures: list[Future], timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the first of ``futures`` to finish."""
+    def wait_first(self, futures: list[Future], timeout: float, *, every: bool = False) -> None:
+        """Wait up to ``timeout`` seconds for the first of ``futures`` to finish;
+        ``every=True``, where all are results of non-blocking calls: for all of them, or
+        the first that fails (one wake-up per call, not one per rank)."""
         owned = self.ranks.driver.owned
         records = [r for r in map(owned.record, futures) if r is not None]
         others = [f for f in futures if owned.record(f) is None]
         if not others:
-            owned.wait(records, timeout)
+            owned.wait(records, timeout, every=every)
             return
         # distributed.wait runs on the *default* client's loop; with several clients in
         # one process that may not be the one owning these futures.
