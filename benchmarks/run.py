@@ -87,6 +87,11 @@ ROW_REPS = {
     "roundtrip": 4,
     "view": 1,  # verl returns the whole 1 GiB tensor behind a view: seconds per call
 }
+# Warm-up repetitions of the weight rows: the 4 loading ranks keep the weights they loaded
+# until the next ones replace them (as a rollout keeps serving the old weights while the
+# new arrive), so a steady state holds two sets; until both exist, every set lands in
+# memory the process never had. Both systems get the same warm-up.
+WEIGHT_WARMUPS = 2
 ONCE = ("timings", "rss", "grpo")  # measured once, after the runs
 GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
@@ -839,7 +844,7 @@ def row_broadcast(r: Rows) -> None:
     src, dst = r.group("g1"), r.group("g4")
     src.init_weights(WEIGHT_BYTES, WEIGHT_TENSORS)
     times, egress, driver = [], [], []
-    for rep in range(ROW_REPS["broadcast"] + 1):
+    for rep in range(ROW_REPS["broadcast"] + WEIGHT_WARMUPS):
         src.bump(rep + 1)
         fut = src.get_weights()
         r.system.wait([fut])
@@ -850,7 +855,7 @@ def row_broadcast(r: Rows) -> None:
         elapsed = time.perf_counter() - t
         s1, d1 = _egress(src), tcp_bytes()[1]
         _check_loaded(out, rep + 1, "broadcast")
-        if rep:
+        if rep >= WEIGHT_WARMUPS:
             times.append(elapsed)
             egress.append(s1 - s0)
             driver.append(d1 - d0)
@@ -898,7 +903,7 @@ def ws_driver(system, trainer, rollout) -> list:
 def ws_collective(system, trainer, rollout) -> list:
     """A torch broadcast over a collective of trainer rank 0 and the rollout ranks, declared
     by the driver (``daskwg.create_collective_group``, ``ray.util.collective``'s shape; built
-    in the warm-up repetition, then reused): trainer rank 0 broadcasts each tensor of its
+    in the first warm-up repetition, then reused): trainer rank 0 broadcasts each tensor of its
     state dict, every rollout rank receives into buffers of its own. Returns the rollout
     ranks' ``(version, bytes)`` as ``load_weights`` does."""
     d = system.daskwg
@@ -951,7 +956,7 @@ def row_weights(r: Rows) -> None:
             key = f"weights {case} {route_key}"
             times, egress, driver = [], [], []
             try:
-                for rep in range(ROW_REPS["weights"] + 1):
+                for rep in range(ROW_REPS["weights"] + WEIGHT_WARMUPS):
                     version += 1
                     trainer.bump(version)
                     s0, d0 = _egress(trainer), tcp_bytes()[1]
@@ -960,7 +965,7 @@ def row_weights(r: Rows) -> None:
                     elapsed = time.perf_counter() - t
                     s1, d1 = _egress(trainer), tcp_bytes()[1]
                     _check_loaded(out, version, key)
-                    if rep:
+                    if rep >= WEIGHT_WARMUPS:
                         times.append(elapsed)
                         egress.append(s1 - s0)
                         driver.append(d1 - d0)
