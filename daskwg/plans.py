@@ -64,6 +64,7 @@ class StepPlan:
         self._rows_producers: set[int] = set()
         self._ratios: dict[int, Fraction] | None = None
         self._learning: tuple[dict[int, Any], dict[int, int]] | None = None
+        self._edges: dict[tuple[int, int], bool] = {}  # (call, reader) -> a rows edge
 
     def __repr__(self) -> str:
         return f"<StepPlan {self.name!r}: {self.calls} calls, inputs {sorted(self._inputs)}>"

@@ -34,6 +34,7 @@ class CompiledReplay:
         #: rows per rank of each rows-producing call's batch, and of its output, this replay
         self.rows_in: dict[int, int | None] = {}
         self.rows_out: dict[int, int] = {}
+        self._fns: dict[int, dict] = {}  # op -> its dispatch functions, this replay
 
     def run(self) -> tuple[Any, str | None]:
         """``(outputs, None)``, or ``(None, reason)`` when this replay cannot take the route
@@ -57,7 +58,7 @@ class CompiledReplay:
             driver = transport.driver
             n = op.group.world_size
             ranks = [0] if op.registered.execute_mode == Execute.RANK_ZERO else list(range(n))
-            fns = op.group._dispatch_fns(op.registered)
+            fns = self._dispatch_fns(i)
             top = [*op.args, *op.kwargs.values()]
             fed = bool(top) and all(isinstance(v, PlanValue) and v._index in placed for v in top)
             if fed:
@@ -67,8 +68,8 @@ class CompiledReplay:
                         return None, f"{step._ops[v._index].label} was padded this time"
                 payloads = [
                     (
-                        tuple(self._slot(a, r, fns) for a in op.args),
-                        {k: self._slot(v, r, fns) for k, v in op.kwargs.items()},
+                        tuple(self._slot(a, r, i) for a in op.args),
+                        {k: self._slot(v, r, i) for k, v in op.kwargs.items()},
                     )
                     for r in ranks
                 ]
@@ -112,14 +113,24 @@ class CompiledReplay:
                 parts = [replay.futures[j] for j in indices]
             op = step._ops[i]
             ranks = [0] if op.registered.execute_mode == Execute.RANK_ZERO else list(range(len(parts)))
-            values[i] = collect(
-                op.group, op.method, op.registered, op.group._dispatch_fns(op.registered), parts, ranks, pad
-            )
+            values[i] = collect(op.group, op.method, op.registered, self._dispatch_fns(i), parts, ranks, pad)
             del parts
         return substitute(step._outputs, values), None
 
-    def _slot(self, value: PlanValue, rank: int, fns: dict) -> Slot:
-        """Rank ``rank``'s part of an earlier call's output (its entries are in rank order)."""
-        source = self.step._ops[value._index]
-        rows = edge(source.group._dispatch_fns(source.registered), fns) == "rows"
-        return Slot(self.placed[value._index][0][rank], self.rows_out[value._index] if rows else 0)
+    def _dispatch_fns(self, i: int) -> dict:
+        fns = self._fns.get(i)
+        if fns is None:
+            op = self.step._ops[i]
+            fns = self._fns[i] = op.group._dispatch_fns(op.registered)
+        return fns
+
+    def _slot(self, value: PlanValue, rank: int, reader: int) -> Slot:
+        """Rank ``rank``'s part of an earlier call's output for the call ``reader`` (its
+        entries are in rank order)."""
+        source = value._index
+        rows = self.step._edges.get((source, reader))
+        if rows is None:  # the same for every replay: the step's calls do not change
+            rows = self.step._edges[source, reader] = (
+                edge(self._dispatch_fns(source), self._dispatch_fns(reader)) == "rows"
+            )
+        return Slot(self.placed[source][0][rank], self.rows_out[source] if rows else 0)

@@ -378,12 +378,18 @@ class Replay:
     def _check(self) -> None:
         """Raise at once for the scheduler gone or a worker taken as lost (its heartbeat)
         while its part of the replay has not replied."""
+        checked: set[tuple[int, int | None]] = set()  # (transport, rank), (transport, None)
         for i in self._unfinished():
-            transport = self.entries[i].transport
-            transport.failures.check_scheduler()
-            if transport.ranks.is_lost(self.calls[i].rank):
+            transport, rank = self.entries[i].transport, self.calls[i].rank
+            if (id(transport), rank) in checked:
+                continue  # a rank's calls: one look is enough
+            if (id(transport), None) not in checked:
+                transport.failures.check_scheduler()
+                checked.add((id(transport), None))
+            checked.add((id(transport), rank))
+            if transport.ranks.is_lost(rank):
                 self._abandon("lost")
-                raise transport.failures.lost(self.calls[i].rank)
+                raise transport.failures.lost(rank)
 
     def _unfinished(self) -> list[int]:
         """Entries of the workers that have not replied."""
