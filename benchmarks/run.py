@@ -1803,8 +1803,12 @@ DISCUSSION = """\
   system (their order alternates from run to run) on 6 Dask workers / Ray actors: a
   4-rank group, a 2-rank group on two other processes, a 1-rank group (on the 2-rank
   group's first Dask worker; its own actor in Ray) and a second 2-rank group for the
-  union/select chain. Each cell is one median per run, after one warm-up; ratios are
-  taken within a run. The load average is read at the start and end of every run.
+  union/select chain. Each cell is one median per run, after one warm-up (two for
+  the broadcast and weight-sync rows: the loading ranks keep the weights they loaded
+  until the next ones replace them, so a steady state holds two sets, and the sets
+  before it land in memory the process never had, which costs several times the
+  transfer here); ratios are taken within a run. The load average is read at the start
+  and end of every run.
   * *`blocking=False` call + gather*: a `ONE_TO_ALL` method registered
     `blocking=False` returns one future per rank; the driver gathers them
     (`daskwg.get` where daskwg has it, else `client.gather`; `ray.get`).
