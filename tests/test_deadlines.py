@@ -758,11 +758,14 @@ def test_failed_calls_whose_errors_are_dropped_leave_no_keys_and_no_batches(hcli
             except RankError:
                 pass
         assert not wg.is_broken  # settles the last call, letting go of its futures
+        # Results dropped go from their workers a moment later (daskwg's frees are batched).
         end = time.monotonic() + 30
-        while ours() and time.monotonic() < end:
+        while True:
+            after = hclient.run(tensor_bytes, workers=wg.workers)
+            grown = {a: (after[a] - before[a]) / 2**20 for a in wg.workers}
+            if time.monotonic() > end or not ours() and all(g < mib for g in grown.values()):
+                break
             time.sleep(0.2)
-        after = hclient.run(tensor_bytes, workers=wg.workers)
-        grown = {a: (after[a] - before[a]) / 2**20 for a in wg.workers}
         print(
             f"\n[leaks] 40 failed calls (20 over {mib} MiB per rank): keys left {len(ours())}, tensor MiB grown {grown}"
         )
@@ -858,3 +861,58 @@ def test_a_late_removal_event_of_a_restarted_worker_spares_groups_on_its_new_pro
         assert not wg.is_broken
         assert len(wg.pid()) == 1
     # (A removal after the process started still breaks its groups: the restart tests below.)
+
+
+def _count_releases(dask_scheduler, start: bool) -> list:
+    """Count the keys clients release on the scheduler (``start``), or stop and say which."""
+    handlers = dask_scheduler.stream_handlers
+    if start:
+        released: list = []
+        original = handlers["client-releases-keys"]
+
+        def counting(keys=None, **kwargs):
+            released.extend(str(k) for k in keys or ())
+            return original(keys=keys, **kwargs)
+
+        counting.original, counting.released = original, released
+        handlers["client-releases-keys"] = counting
+        return []
+    counting = handlers["client-releases-keys"]
+    handlers["client-releases-keys"] = counting.original
+    return counting.released
+
+
+@pytest.mark.timeout(120)
+def test_results_dropped_before_the_scheduler_knew_them_cost_it_nothing_and_leave_their_workers(hclient):
+    # Dask tells the scheduler of every future released, known to it or not: for results
+    # of non-blocking calls, most of which it never hears of, one message per rank per call.
+    from distributed import wait
+
+    mib = 4
+    hclient.run_on_scheduler(_count_releases, start=True)
+    try:
+        with WorkerGroup(hclient, LeakWorker, world_size=2) as wg:
+            before = hclient.run(tensor_bytes, workers=wg.workers)
+            for _ in range(10):
+                future = wg.produce(mib)
+                del future  # dropped: never waited for through Dask
+            known = wg.produce(mib)
+            wait(known.futures)  # Dask's wait: the scheduler learns where these are
+            keys = {str(f.key) for f in known.futures}
+            assert keys <= {str(k) for k in hclient.who_has()}
+            del known
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                grown = {a: v - before[a] for a, v in hclient.run(tensor_bytes, workers=wg.workers).items()}
+                if all(g < mib * 2**20 for g in grown.values()) and not keys & {
+                    str(k) for k in hclient.who_has()
+                }:
+                    break
+                time.sleep(0.2)
+            assert all(g < mib * 2**20 for g in grown.values()), grown  # every result went
+            assert not keys & {str(k) for k in hclient.who_has()}
+            name = wg.name
+    finally:
+        released = hclient.run_on_scheduler(_count_releases, start=False)
+    ours = [k for k in released if name in k]
+    assert sorted(ours) == sorted(keys), ours  # only the registered ones were released there

@@ -58,6 +58,11 @@ logger = logging.getLogger(__name__)
 
 PENDING, FINISHED, ERROR, CANCELLED = "pending", "finished", "error", "cancelled"
 
+#: Seconds results dropped by the driver wait before their workers are told, so that the
+#: results of several calls go in one message per worker (as Dask batches its releases):
+#: a tight loop of small calls would otherwise send one more message per rank per call.
+FREE_DELAY = 0.01
+
 #: Seconds after which a result the program still holds is registered with the scheduler
 #: even if nothing waited for it through Dask (so Dask's views and tasks see it).
 REGISTER_AFTER = 0.5
@@ -133,6 +138,23 @@ class CallFuture(Future):
     """A ``distributed.Future`` of a non-blocking call's result, which stays on its rank's
     worker. Everything a Dask future does works on it; :meth:`result` fetches the value from
     that worker directly, never through the scheduler."""
+
+    def release(self) -> None:
+        """Drop this reference (Dask's ``Future.release``, which ``__del__`` calls). The last
+        one of a result the scheduler never heard of is released in the driver alone:
+        telling the scheduler, as Dask does, would cost it one message per rank per call
+        for keys it does not know."""
+        state = self._state
+        if not isinstance(state, OwnedState):
+            super().release()
+            return
+        self._verify_initialized()
+        if not self._cleared and self.client.generation == self._generation:
+            self._cleared = True
+            try:
+                self.client.loop.add_callback(state.owned.drop_reference, self.key)
+            except TypeError:  # pragma: no cover - shutting down: add_callback may be None
+                pass
 
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
@@ -360,13 +382,35 @@ class Owned:
         finally:
             self._registering = False
 
+    def drop_reference(self, key: str) -> None:
+        """A :class:`CallFuture` of ``key`` was released (on the client's loop): Dask's
+        ``Client._dec_ref``, without the scheduler message for a key it never knew."""
+        client = self.client
+        rec = self.records.get(key)
+        if rec is None or rec.registered or rec.registering:
+            client._dec_ref(key)
+            return
+        with client._refcount_lock:
+            client.refcount[key] -= 1
+            if client.refcount[key] > 0:
+                return
+            del client.refcount[key]
+        state = client.futures.pop(key, None)
+        if state is not None:
+            state.cancel()  # OwnedState.cancel: the result is dropped on its worker
+
     def free(self, address: str, server_id: str | None, key: str) -> None:
         """Drop the result ``key`` on its worker (with the others dropped in this loop turn)."""
         target = (address, server_id)
         keys = self._frees.setdefault(target, [])
         keys.append(key)
         if len(keys) == 1:
-            self.client.loop.add_callback(self._flush_frees, target)
+            self.client.loop.add_callback(self._flush_later, target)
+
+    def _flush_later(self, target: tuple[str, str | None]) -> None:
+        asyncio.get_running_loop().call_later(
+            FREE_DELAY, lambda: asyncio.ensure_future(self._flush_frees(target))
+        )
 
     async def _flush_frees(self, target: tuple[str, str | None]) -> None:
         keys = self._frees.pop(target, [])
