@@ -39,6 +39,7 @@ __all__ = [
     "check_format",
     "call_message",
     "plan_message",
+    "fetch_message",
     "reply_message",
 ]
 
@@ -46,7 +47,7 @@ __all__ = [
 #: below, the handlers' arguments and answers). Raise it with any change a worker of the
 #: previous release could misread; the ``__init__`` call of every group carries the
 #: driver's, and a worker with another refuses to build the rank.
-WIRE_FORMAT = 2
+WIRE_FORMAT = 3
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
@@ -268,7 +269,8 @@ def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:
 
     ``entries``: per call, in the driver's order, ``(call fields, key, result, uses, stop)``:
     ``key`` the call's future (``None``: none), ``result`` ``"keep"`` (it stays on the worker
-    under ``key``), ``"return"`` (it comes back with the reply) or ``"none"``, ``uses`` how
+    under ``key``; up to ``inline`` bytes, tensors included, it comes back too: the step's
+    outputs are what the replay returns), ``"return"`` (it comes back with the reply) or ``"none"``, ``uses`` how
     many later calls of the message read it (:class:`Slot`), ``stop`` whether the message's
     later calls are not run if this one fails (a blocking method's); the
     arguments: the pickled list of every call's ``(args, kwargs)``. The reply's header is the
@@ -276,6 +278,15 @@ def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:
     the results' buffers beside it, in order. The id is the stream's to set.
     """
     return ("plan", 0, entries, header, inline)
+
+
+def fetch_message(key: str, session: str, seq: int, source: str) -> tuple:
+    """A driver's request, on a call stream, for the value of a kept result:
+    ``("fetch", id, key, session, seq, source)`` (call ``seq`` of driver ``session`` makes
+    it; ``source`` names that call in errors). Its :func:`reply_message` carries the value's
+    pickle header and buffers (``"OK"``), or the pickled error (``"error"``). The id is the
+    stream's to set."""
+    return ("fetch", 0, key, session, seq, source)
 
 
 def reply_message(

@@ -276,7 +276,7 @@ class HostPlugin(WorkerPlugin):
 
     async def _handle_stream(self, comm: Any) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
-        return await stream.serve(comm, self.run, self.results.free, self._plans.run)
+        return await stream.serve(comm, self.run, self.results.free, self._plans.run, self.results.packed)
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
         """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as

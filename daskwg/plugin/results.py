@@ -13,6 +13,8 @@ the scheduler: ``daskwg_fetch`` (the value), ``daskwg_part_info`` (a ``DataProto
 part's rows and ``meta_info``); both wait while the call that makes the result is queued or
 running, and answer with its error if it failed. ``daskwg_free`` drops results the driver
 let go of before the scheduler knew them (as does a ``free`` message on a call stream).
+Drivers fetch with a ``fetch`` message on their call stream (:meth:`ResultStore.packed`),
+which saves Dask's message framing.
 
 Threads: everything here runs on the worker's event loop.
 """
@@ -189,14 +191,28 @@ class ResultStore:
             except asyncio.TimeoutError:
                 pass
 
+    async def packed(self, key: str, session: str, seq: int, source: str = "") -> serialization.Packed:
+        """The pickled value of the result ``key`` here (call ``seq`` of driver ``session``
+        makes it; ``source`` names that call in errors), once it exists: what a ``fetch``
+        message on a call stream answers (``daskwg.plugin.stream``).
+
+        Raises:
+            what :meth:`wait` raises, made picklable.
+        """
+        try:
+            value = await self.wait(ResultRef(key, self.worker.address, session, seq, source=source))
+        except Exception as exc:  # noqa: BLE001 - the consumer raises it
+            raise picklable(exc) from None
+        return serialization.dumps(value)
+
     async def _handle_fetch(self, key: str, session: str, seq: int, source: str = "") -> dict:
         """``daskwg_fetch``: ``{"status": "OK", "data": value}`` of a result here, once it exists,
         or ``{"status": "error", "exception": its error}``."""
         try:
-            value = await self.wait(ResultRef(key, self.worker.address, session, seq, source=source))
+            packed = await self.packed(key, session, seq, source)
         except Exception as exc:  # noqa: BLE001 - the consumer raises it
-            return {"status": "error", "exception": to_serialize(picklable(exc))}
-        return {"status": "OK", "data": to_serialize(serialization.dumps(value))}
+            return {"status": "error", "exception": to_serialize(exc)}
+        return {"status": "OK", "data": to_serialize(packed)}
 
     async def _handle_part_info(self, key: str, session: str, seq: int, source: str = "") -> dict:
         """``daskwg_part_info``: the :class:`~daskwg.wire.PartInfo` of a ``DataProtoFuture`` part here."""

@@ -35,6 +35,7 @@ async def serve(
     run: Callable[..., Awaitable[tuple]],
     free: Callable[[list], None],
     run_plan: Callable[..., Awaitable[list]],
+    fetch: Callable[..., Awaitable[serialization.Packed]],
 ) -> Any:
     """Serve one call stream until the driver closes it.
 
@@ -45,6 +46,8 @@ async def serve(
             :func:`daskwg.wire.plan_message`).
         free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
             of them before the scheduler heard of them).
+        fetch: ``ResultStore.packed(key, session, seq, source)``, the pickled value of a
+            kept result (a :func:`daskwg.wire.fetch_message`), answered as a call's reply.
     Returns:
         ``Status.dont_reply`` (replies go out as calls finish).
     """
@@ -59,6 +62,8 @@ async def serve(
             asyncio.ensure_future(_one(frames, lock, message, buffers, run))
         elif message[0] == "plan":
             asyncio.ensure_future(_plan(frames, lock, message, buffers, run_plan))
+        elif message[0] == "fetch":
+            asyncio.ensure_future(_fetch(frames, lock, message, fetch))
         elif message[0] == "free":
             free(list(message[2]))
         else:
@@ -122,6 +127,23 @@ async def _plan(
             await frames.write(reply_message(cid, "plan", None, None, pickle.dumps(records)), out_buffers)
         except OSError:
             pass  # the driver is gone; kept results stay until it is released
+
+
+async def _fetch(frames: FrameStream, lock: asyncio.Lock, message: tuple, fetch: Any) -> None:
+    _, cid, key, session, seq, source = message
+    try:
+        packed = await fetch(key, session, seq, source)
+    except asyncio.CancelledError:
+        return  # the worker is closing: the driver sees the stream close
+    except Exception as exc:  # noqa: BLE001 - the driver raises it
+        reply, buffers = reply_message(cid, "error", None, _pickled(exc), None), []
+    else:
+        reply, buffers = reply_message(cid, "OK", packed.nbytes, None, packed.header), packed.buffers
+    async with lock:
+        try:
+            await frames.write(reply, buffers)
+        except OSError:
+            pass  # the driver is gone
 
 
 def _pickled(error: BaseException) -> bytes:

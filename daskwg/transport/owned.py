@@ -25,8 +25,9 @@ Dask sees these futures as its own:
   interrupted, as on the task path), and a future dropped before its result exists has the
   result dropped on its worker when it comes.
 
-Values come straight from the worker holding them (``daskwg_fetch``), never through the
-scheduler: :meth:`Owned.values` (and :meth:`CallFuture.result`).
+Values come straight from the worker holding them (a ``fetch`` message on the reader's
+call stream to it), never through the scheduler: :meth:`Owned.fetch` (and
+:meth:`CallFuture.result`).
 
 Threads: the calling threads create futures and wait; the client's event loop handles the
 replies, registrations, cancellations and releases. :class:`OwnedResult` fields change only
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import pickle
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,7 +49,7 @@ from distributed import Client, Future
 from distributed.client import FutureState
 from distributed.comm.core import CommClosedError
 
-from .. import serialization
+from .. import serialization, wire
 from ..errors import GroupBrokenError, WorkerLostError
 from ..wire import Call
 from .streams import CallStreams
@@ -161,7 +163,7 @@ class CallFuture(Future):
         if isinstance(state, OwnedState):
             await state.settled()
             if state.status == "finished" and self.key in state.owned.records:
-                return (await state.owned.fetch([self.key], self.client.rpc))[0]
+                return (await state.owned.fetch([self.key], state.owned.streams))[0]
         return await super()._result(raiseit)
 
 
@@ -450,17 +452,17 @@ class Owned:
             with self.cond:
                 self._waiters.remove(waiter)
 
-    async def fetch(self, keys: Sequence[str], rpc: Any) -> list:
-        """The values of these finished results, each from its worker (``rpc``: the caller's
-        loop's ``address -> rpc``), or their inline copies.
+    async def fetch(self, keys: Sequence[str], streams: CallStreams) -> list:
+        """The values of these finished results, each from its worker (a ``fetch`` message on
+        ``streams``, the caller's loop's call streams), or their inline copies.
 
         Raises:
             WorkerLostError: a worker holding one cannot be reached.
             GroupBrokenError: one was released or its call failed meanwhile.
         """
-        return list(await asyncio.gather(*(self._fetch_one(self.records.get(k), k, rpc) for k in keys)))
+        return list(await asyncio.gather(*(self._fetch_one(self.records.get(k), k, streams) for k in keys)))
 
-    async def _fetch_one(self, rec: OwnedResult | None, key: str, rpc: Any) -> Any:
+    async def _fetch_one(self, rec: OwnedResult | None, key: str, streams: CallStreams) -> Any:
         if rec is None:
             raise GroupBrokenError(f"the result {key!r} was released: keep its future until it is read")
         if rec.status == ERROR:
@@ -478,14 +480,15 @@ class Owned:
                 rec.inline = None
             return serialization.loads(packed)
         call = rec.call
+        message = wire.fetch_message(key, call.session, call.seq, f"{call.group_name}.{call.method}")
         try:
-            response = await rpc(rec.address).daskwg_fetch(
-                key=key, session=call.session, seq=call.seq, source=f"{call.group_name}.{call.method}"
-            )
+            reply, buffers = await streams.request(rec.address, call.worker_id, message, [])
         except (OSError, CommClosedError) as exc:
             raise WorkerLostError(
                 call.rank, rec.address, f"reading the result of {call.method!r}: {exc}"
             ) from None
-        if response["status"] != "OK":
-            raise response["exception"]
-        return response["data"]
+        _, _, status, _, error, header = reply
+        if status != "OK":
+            raise pickle.loads(error)
+        # The buffers were received into memory of this process's own: used in place.
+        return serialization.loads(serialization.Packed(header, buffers))

@@ -232,10 +232,9 @@ class Waiter:
             keys = [futures[i].key for i in mine]
             channel = self.ranks.driver.channel()
             if channel is None:
-                client = self.ranks.client
-                fetched = client.sync(owned.fetch, keys, client.rpc)
+                fetched = self.ranks.client.sync(owned.fetch, keys, owned.streams)
             else:
-                fetched = channel.run(owned.fetch(keys, channel.pool))
+                fetched = channel.run(owned.fetch(keys, channel.streams), fresh=False)
             for i, value in zip(mine, fetched):
                 values[i] = value
         return values
