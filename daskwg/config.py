@@ -43,7 +43,8 @@ class Settings:
         scatter_above: argument bytes above which a task-path call's arguments go straight
             to the rank's worker.
         inline_results: bytes up to which a non-blocking call's result also comes back
-            with its reply (it stays on the worker too); never one holding tensors or arrays.
+            with its reply (it stays on the worker too); never one holding tensors or arrays,
+            except a step plan's outputs.
         relay_above: bytes above which a result several ranks of one call take whole is
             relayed between them (results of unknown size are).
         relay_wait: seconds a relaying rank waits for its next consumer to ask.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import dask
 import pytest
 import torch
 from distributed import Client
@@ -389,3 +390,31 @@ def test_a_worker_lost_during_a_replay_raises_worker_lost(fresh_cluster4):
     assert step.route == COMPILED
     assert time.monotonic() - t0 < 60
     assert info.value.rank == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_small_output_comes_back_with_the_reply_and_a_larger_one_is_fetched_on_the_call_stream(
+    wg, monkeypatch
+):
+    fetches = []
+    original = CallStreams.request
+
+    async def counting(self, address, server_id, message, *args, **kwargs):
+        if message[0] == "fetch":
+            fetches.append(message[2])
+        return await original(self, address, server_id, message, *args, **kwargs)
+
+    monkeypatch.setattr(CallStreams, "request", counting)
+    with daskwg.plan("inline") as step:
+        step.output(wg.reward(wg.generate(step.input("batch"))))
+    step.run(batch=_batch(8)).get()  # learns the rows
+    expected = wg.reward(wg.generate(_batch(8))).get()
+    fetches.clear()
+    out = step.run(batch=_batch(8))
+    assert step.route == COMPILED
+    assert _equal(out.get(), expected)
+    assert fetches == []  # the 4 parts (tensors) came with the replies
+    with dask.config.set({"daskwg.inline-results": 0}):
+        out = step.run(batch=_batch(8))
+        assert _equal(out.get(), expected)
+    assert len(fetches) == 4  # one fetch message per part, on the call streams

@@ -50,7 +50,8 @@ class PlanRunner:
                 ``"return"`` (it goes back with the reply) or ``"none"``; ``uses``: how many
                 later calls here read it; ``stop``: if it fails, the later calls do not run.
             payload: the calls' ``(args, kwargs)``, pickled together, in order.
-            inline: bytes up to which a kept result comes back with the reply as well.
+            inline: bytes up to which a kept result (a step's output) comes back with the
+                reply as well, tensors included.
         """
         host = self.host
         calls = [Call(*e[0]) for e in entries]
@@ -90,7 +91,9 @@ class PlanRunner:
                 replies.append(("error", None, value, None))
             elif result == "keep":
                 host.results.put(key, value)
-                small = value.nbytes <= inline and not value.buffers  # batches stay here
+                # Kept entries are the step's outputs, which the replay returns: a small one
+                # comes back with the reply, tensors and all (an ordinary call's batches stay).
+                small = value.nbytes <= inline
                 replies.append(("OK", value.nbytes, None, value if small else None))
             elif result == "return":
                 replies.append(("OK", value.nbytes, None, value))
