@@ -251,14 +251,21 @@ class StepPlan:
             return "the first replay learns the rows of each stage"
         outputs, rows_in = self._learning
         parts = {i: list(getattr(out, "futures", ())) for i, out in outputs.items()}
+        some = self._ops[next(iter(parts))].group
+        settings = Settings.current()
+        if any(op.group is not None and op.registered.blocking for op in self._ops):
+            # That replay returned once all its calls had ended on the workers; the replies
+            # of its non-blocking calls may still be on their way to the driver.
+            owned = some._transport.driver.owned
+            records = [r for r in (owned.record(f) for fs in parts.values() for f in fs) if r]
+            owned.wait(records, settings.status_timeout, every=True)
         if not all(f.done() for fs in parts.values() for f in fs):
             # Kept: a later replay learns from it once it has run.
             return "the replay that learns the rows of each stage is still running"
         self._learning = None
-        some = self._ops[next(iter(parts))].group
         try:
             rows = {
-                i: PlanPath(some._transport.driver).part_rows(fs, Settings.current().status_timeout)
+                i: PlanPath(some._transport.driver).part_rows(fs, settings.status_timeout)
                 for i, fs in parts.items()
             }
         except Exception as exc:  # noqa: BLE001 - a failed call, a lost worker: learn next time

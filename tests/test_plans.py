@@ -3,6 +3,7 @@ the same calls made one by one give, with the same errors, on real 4-process clu
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -14,6 +15,7 @@ from plan_workers import StepWorker
 
 import daskwg
 from daskwg import CallTimeoutError, DataProto, DataProtoFuture, GroupBrokenError, RankError, WorkerGroup
+from daskwg.transport.owned import Owned
 from daskwg.transport.streams import CallStreams
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,6 +100,23 @@ def test_a_padded_batch_replays_call_by_call_with_the_same_losses(wg):
     expected = _rl_step(wg, _batch(10))
     assert len(got) == 10
     assert _equal(got, expected)
+
+
+def test_a_step_with_a_blocking_call_learns_its_rows_even_when_replies_reach_the_driver_late(wg, monkeypatch):
+    # The replies of the non-blocking calls settle 0.3 s late on the driver: the blocking
+    # update has returned by then, and the next replay must still learn from the first.
+    original = Owned.finished
+
+    def late(self, *args, **kwargs):
+        asyncio.get_running_loop().call_later(0.3, lambda: original(self, *args, **kwargs))
+
+    monkeypatch.setattr(Owned, "finished", late)
+    step = _record_rl_step(wg)
+    step.run(batch=_batch(8))
+    got = step.run(batch=_batch(10))
+    assert step.route.startswith("call by call") and "padded" in step.route, step.route
+    monkeypatch.undo()
+    assert _equal(got, _rl_step(wg, _batch(10)))
 
 
 def test_every_list_mode_replays_with_the_values_of_the_calls(wg):
