@@ -47,18 +47,25 @@ class FrameStream:
     def closed(self) -> bool:
         return self.comm.closed()
 
-    async def write(self, message: Any, buffers: list = ()) -> None:
-        """Write one message and its buffers (bytes-like objects; not copied).
+    async def write(self, message: Any, buffers: list = (), lead: Any = None) -> None:
+        """Write one message and its buffers (bytes-like objects; not copied); ``lead``, if
+        given, a message without buffers written just before it, in the same write.
 
         Raises:
             CommClosedError, OSError: the connection is gone.
         """
+        if lead is not None and self._stream is None:
+            await self.write(lead)
+            lead = None
         body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         views = [memoryview(b).cast("B") for b in buffers]
         if self._stream is None:
             await self.comm.write({"m": body, "b": [bytes(v) for v in views]})
             return
         head = _HEAD.pack(len(body), len(views)) + b"".join(_SIZE.pack(v.nbytes) for v in views)
+        if lead is not None:
+            first = pickle.dumps(lead, protocol=pickle.HIGHEST_PROTOCOL)
+            head = _HEAD.pack(len(first), 0) + first + head
         stream = self._stream
         try:
             if not views or sum(v.nbytes for v in views) <= _SMALL:

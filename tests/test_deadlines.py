@@ -916,3 +916,25 @@ def test_results_dropped_before_the_scheduler_knew_them_cost_it_nothing_and_leav
         released = hclient.run_on_scheduler(_count_releases, start=False)
     ours = [k for k in released if name in k]
     assert sorted(ours) == sorted(keys), ours  # only the registered ones were released there
+
+
+@pytest.mark.timeout(120)
+def test_the_frees_of_dropped_results_go_with_the_next_call_to_their_worker(hclient, monkeypatch):
+    # With the timed flush pushed past the test, only the next call can carry the frees.
+    from daskwg.transport import owned
+
+    monkeypatch.setattr(owned, "FREE_DELAY", 600.0)
+    mib = 4
+    with WorkerGroup(hclient, LeakWorker, world_size=2) as wg:
+        wg.produce(0).get()
+        before = hclient.run(tensor_bytes, workers=wg.workers)
+        kept = wg.produce(mib)
+        assert len(kept.get()) == 2 * mib * 2**18  # both ranks' rows
+        del kept
+        gc.collect()
+        time.sleep(0.2)  # the drop reaches the client's loop
+        held = hclient.run(tensor_bytes, workers=wg.workers)
+        assert all(held[a] - before[a] >= mib * 2**20 for a in wg.workers), (before, held)
+        wg.produce(0).get()  # written after the frees, on the same stream: they ran first
+        after = hclient.run(tensor_bytes, workers=wg.workers)
+        assert all(after[a] - before[a] < mib * 2**20 for a in wg.workers), (before, after)

@@ -187,6 +187,9 @@ class Owned:
         self._waiters: list[tuple[threading.Event, Any]] = []
         self.streams = streams
         self._frees: dict[tuple[str, str | None], list[str]] = {}
+        # The frees waiting for a worker go with the next call written to it, if one
+        # comes first: one write, and one wake-up of the worker, for both.
+        streams.lead = self._take_frees
         self._to_register: list[OwnedResult] = []
         self._registering = False
 
@@ -402,7 +405,8 @@ class Owned:
             state.cancel()  # OwnedState.cancel: the result is dropped on its worker
 
     def free(self, address: str, server_id: str | None, key: str) -> None:
-        """Drop the result ``key`` on its worker (with the others dropped in this loop turn)."""
+        """Drop the result ``key`` on its worker: with the next call written to that worker
+        on the client's loop, or after ``FREE_DELAY`` seconds, with the others dropped meanwhile."""
         target = (address, server_id)
         keys = self._frees.setdefault(target, [])
         keys.append(key)
@@ -413,6 +417,10 @@ class Owned:
         asyncio.get_running_loop().call_later(
             FREE_DELAY, lambda: asyncio.ensure_future(self._flush_frees(target))
         )
+
+    def _take_frees(self, target: tuple[str, str | None]) -> tuple | None:
+        keys = self._frees.pop(target, None)
+        return ("free", 0, keys) if keys else None
 
     async def _flush_frees(self, target: tuple[str, str | None]) -> None:
         keys = self._frees.pop(target, [])

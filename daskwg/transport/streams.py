@@ -16,6 +16,7 @@ used only on its loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -35,8 +36,15 @@ class StreamClosed(ConnectionError):
 
 
 class _Stream:
-    def __init__(self, address: str, connection_args: dict, on_close: Callable[[], None]):
+    def __init__(
+        self,
+        address: str,
+        connection_args: dict,
+        on_close: Callable[[], None],
+        lead: Callable[[], tuple | None] | None = None,
+    ):
         self.address = address
+        self._lead = lead
         self.connection_args = connection_args
         self.frames: FrameStream | None = None
         self.pending: dict[int, Callable[[Any, list], None]] = {}
@@ -79,7 +87,8 @@ class _Stream:
         self.pending[cid] = on_reply
         try:
             async with self._lock:
-                await frames.write((message[0], cid, *message[2:]), buffers)
+                lead = None if self._lead is None else self._lead()
+                await frames.write((message[0], cid, *message[2:]), buffers, lead)
         except BaseException:
             self.pending.pop(cid, None)
             raise
@@ -128,6 +137,9 @@ class CallStreams:
     def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
         self.connection_args = connection_args
         self.epochs = {} if epochs is None else epochs
+        #: ``lead((address, server_id))``: a message without reply to write just before
+        #: the next call to that worker process, in the same write, or ``None``.
+        self.lead: Callable[[tuple[str, str | None]], tuple | None] | None = None
         self._streams: dict[tuple[str, str | None], _Stream] = {}
         self._epoch: dict[tuple[str, str | None], int] = {}
 
@@ -141,7 +153,8 @@ class CallStreams:
             self._streams.pop(key, None)
             stream = None
         if stream is None:
-            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream))
+            lead = None if self.lead is None else functools.partial(self.lead, key)
+            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream), lead)
             self._streams[key] = stream
             self._epoch[key] = epoch
         return stream
