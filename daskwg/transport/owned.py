@@ -187,6 +187,7 @@ class Owned:
         self._waiters: list[tuple[threading.Event, Any]] = []
         self.streams = streams
         self._frees: dict[tuple[str, str | None], list[str]] = {}
+        self._frees_lock = threading.Lock()
         # The frees waiting for a worker go with the next call written to it, if one
         # comes first: one write, and one wake-up of the worker, for both.
         streams.lead = self._take_frees
@@ -406,29 +407,43 @@ class Owned:
 
     def free(self, address: str, server_id: str | None, key: str) -> None:
         """Drop the result ``key`` on its worker: with the next call written to that worker
-        on the client's loop, or after ``FREE_DELAY`` seconds, with the others dropped meanwhile."""
+        on the client's loop, or after ``FREE_DELAY`` seconds, with the others dropped
+        meanwhile (any thread: a blocking replay settles its results on its own loop)."""
         target = (address, server_id)
-        keys = self._frees.setdefault(target, [])
-        keys.append(key)
-        if len(keys) == 1:
-            self.client.loop.add_callback(self._flush_later, target)
+        with self._frees_lock:
+            keys = self._frees.setdefault(target, [])
+            keys.append(key)
+            first = len(keys) == 1
+        if not first:
+            return
+        loop = self.client.loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # a calling thread outside any loop
+            here = None
+        if here is not None and getattr(loop, "asyncio_loop", None) is here:
+            self._flush_later(target)
+        else:
+            loop.add_callback(self._flush_later, target)
 
     def _flush_later(self, target: tuple[str, str | None]) -> None:
-        asyncio.get_running_loop().call_later(
-            FREE_DELAY, lambda: asyncio.ensure_future(self._flush_frees(target))
-        )
+        asyncio.get_running_loop().call_later(FREE_DELAY, self._flush_due, target)
+
+    def _flush_due(self, target: tuple[str, str | None]) -> None:
+        message = self._take_frees(target)
+        if message is not None:  # else a call took them first
+            asyncio.ensure_future(self._post(target, message))
 
     def _take_frees(self, target: tuple[str, str | None]) -> tuple | None:
-        keys = self._frees.pop(target, None)
+        with self._frees_lock:
+            keys = self._frees.pop(target, None)
         return ("free", 0, keys) if keys else None
 
-    async def _flush_frees(self, target: tuple[str, str | None]) -> None:
-        keys = self._frees.pop(target, [])
-        if keys:
-            try:
-                await self.streams.post(target[0], target[1], ("free", 0, keys))
-            except OSError:
-                pass  # the worker is gone, and its results with it
+    async def _post(self, target: tuple[str, str | None], message: tuple) -> None:
+        try:
+            await self.streams.post(target[0], target[1], message)
+        except OSError:
+            pass  # the worker is gone, and its results with it
 
     async def _tell(self, address: str, handler: str, **kwargs: Any) -> None:
         try:
