@@ -30,6 +30,9 @@ _SIZE = struct.Struct("<Q")
 
 #: Buffers up to this size are read into one allocation with the message (not worth one each).
 _SMALL = 1 << 16
+#: Bytes of the read buffer (what one socket read may take), at least a message's worth of
+#: small buffers; a larger message grows it for as long as it is being read.
+_READ_BUFFER = 4 * _SMALL
 
 
 class FrameStream:
@@ -43,6 +46,10 @@ class FrameStream:
         self.comm = comm
         stream = getattr(comm, "stream", None)
         self._stream = stream if stream is not None and hasattr(stream, "read_into") else None
+        # What has been read from the socket and not yet taken: _rbuf[_rpos:_rend].
+        self._rbuf = bytearray(_READ_BUFFER if self._stream is not None else 0)
+        self._rview = memoryview(self._rbuf)
+        self._rpos = self._rend = 0
 
     def closed(self) -> bool:
         return self.comm.closed()
@@ -87,30 +94,77 @@ class FrameStream:
         if self._stream is None:
             frame = await self.comm.read()
             return pickle.loads(frame["m"]), [np.frombuffer(bytearray(b), dtype=np.uint8) for b in frame["b"]]
-        stream = self._stream
         try:
-            n, count = _HEAD.unpack(await stream.read_bytes(_HEAD.size))
-            rest = await stream.read_bytes(_SIZE.size * count + n)
-            sizes = struct.unpack_from(f"<{count}Q", rest) if count else ()
-            message = pickle.loads(memoryview(rest)[_SIZE.size * count :])
+            await self._fill(_HEAD.size)
+            n, count = _HEAD.unpack_from(self._rbuf, self._rpos)
+            self._rpos += _HEAD.size
+            await self._fill(_SIZE.size * count + n)
+            sizes = struct.unpack_from(f"<{count}Q", self._rbuf, self._rpos) if count else ()
+            self._rpos += _SIZE.size * count
+            with self._rview[self._rpos : self._rpos + n] as body:
+                message = pickle.loads(body)
+            self._rpos += n
             buffers = []
             if sizes and sum(sizes) <= _SMALL:
-                block = np.empty(sum(sizes), dtype=np.uint8)
-                if block.nbytes:
-                    await stream.read_into(memoryview(block))
+                total = sum(sizes)
+                await self._fill(total)
+                block = np.frombuffer(self._rbuf, dtype=np.uint8, count=total, offset=self._rpos).copy()
+                self._rpos += total
                 offset = 0
                 for size in sizes:
                     buffers.append(block[offset : offset + size])
                     offset += size
             else:
                 for size in sizes:
-                    buffer = receive_buffer(size)
-                    if size:
-                        await stream.read_into(memoryview(buffer))
-                    buffers.append(buffer)
+                    buffers.append(await self._read_buffer(size))
+            self._shrink()
         except Exception as exc:  # noqa: BLE001 - tornado's StreamClosedError and socket errors
             raise _closed(self.comm, exc) from None
         return message, buffers
+
+    async def _fill(self, need: int) -> None:
+        """Read until ``need`` bytes past ``_rpos`` are in the read buffer.
+
+        Every read asks for as much as the buffer holds and takes whatever has come
+        (``read_into(partial=True)``): tornado then never holds bytes of its own between
+        messages, so the socket stays registered for reading from one message to the next
+        (a read that leaves bytes in tornado's buffer unregisters it, and the next one
+        registers it again: two ``epoll_ctl`` calls and their bookkeeping per message).
+        """
+        if self._rend - self._rpos >= need:
+            return
+        if self._rpos == self._rend:
+            self._rpos = self._rend = 0
+        if self._rpos + need > len(self._rbuf):
+            kept = self._rend - self._rpos
+            if need > len(self._rbuf) or kept > len(self._rbuf) // 2:
+                grown = bytearray(max(need, _READ_BUFFER))
+                grown[:kept] = self._rview[self._rpos : self._rend]
+                self._rbuf, self._rview = grown, memoryview(grown)
+            else:
+                self._rbuf[:kept] = bytes(self._rview[self._rpos : self._rend])
+            self._rpos, self._rend = 0, kept
+        while self._rend - self._rpos < need:
+            self._rend += await self._stream.read_into(self._rview[self._rend :], partial=True)
+
+    async def _read_buffer(self, size: int) -> np.ndarray:
+        """One large buffer of ``size`` bytes: what the read buffer has of it, then the
+        rest straight from the socket into the receive buffer (no copy)."""
+        buffer = receive_buffer(size)
+        have = min(size, self._rend - self._rpos)
+        if have:
+            buffer[:have] = np.frombuffer(self._rbuf, dtype=np.uint8, count=have, offset=self._rpos)
+            self._rpos += have
+        if size > have:
+            await self._stream.read_into(memoryview(buffer)[have:])
+        return buffer
+
+    def _shrink(self) -> None:
+        # A read buffer grown for one large message goes back to its size once it is empty.
+        if self._rpos == self._rend and len(self._rbuf) > _READ_BUFFER:
+            self._rbuf = bytearray(_READ_BUFFER)
+            self._rview = memoryview(self._rbuf)
+            self._rpos = self._rend = 0
 
     def abort(self) -> None:
         self.comm.abort()
