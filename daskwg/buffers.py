@@ -26,7 +26,7 @@ import dask.config
 import numpy as np
 from dask.utils import parse_bytes
 
-__all__ = ["SMALLEST", "pooled_bytes", "receive_buffer"]
+__all__ = ["SMALLEST", "pool_limit", "pooled_bytes", "receive_buffer"]
 
 #: Buffers smaller than this are plain ``numpy.empty`` (the allocator keeps those warm).
 SMALLEST = 1 << 20
@@ -40,7 +40,7 @@ _by_size: dict[int, list[tuple[int, int]]] = {}
 _pooled = 0
 
 
-def _limit() -> int:
+def pool_limit() -> int:
     """``daskwg.buffer-pool`` in bytes; ``"auto"``: in a process with Dask workers a tenth
     of their memory limit (1 GiB without one), at most 4 GiB; elsewhere (the driver) 0."""
     value = dask.config.get("daskwg.buffer-pool", "auto")
@@ -70,7 +70,7 @@ def receive_buffer(nbytes: int) -> np.ndarray:
     """
     if nbytes < 0:
         raise ValueError(f"a buffer cannot have {nbytes} bytes")
-    if nbytes < SMALLEST or nbytes > _limit():
+    if nbytes < SMALLEST or nbytes > pool_limit():
         return np.empty(nbytes, dtype=np.uint8)
     global _pooled
     block = None
@@ -97,7 +97,7 @@ def receive_buffer(nbytes: int) -> np.ndarray:
 def _give_back(block: np.ndarray) -> None:
     """The last user of ``block``'s view is gone: keep it for the next receiver."""
     global _pooled
-    limit = _limit()
+    limit = pool_limit()
     if block.nbytes > limit:
         return
     released = []  # freed outside the lock

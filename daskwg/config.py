@@ -48,6 +48,8 @@ class Settings:
         relay_above: bytes above which a result several ranks of one call take whole is
             relayed between them (results of unknown size are).
         relay_wait: seconds a relaying rank waits for its next consumer to ask.
+        shared_memory: a result that ranks on other workers of its worker's host take whole
+            is mapped by them from one shared-memory copy rather than sent to each.
         skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
         check_process_group: groups built now refuse a rank whose process holds another
             group's default process group.
@@ -69,6 +71,7 @@ class Settings:
     inline_results: int
     relay_above: int
     relay_wait: float
+    shared_memory: bool
     skip_signal_handlers: bool
     check_process_group: bool
     heartbeat_interval: float
@@ -94,6 +97,7 @@ class Settings:
             inline_results=int(config["inline-results"]),
             relay_above=int(config["relay-above"]),
             relay_wait=float(config["relay-wait"]),
+            shared_memory=bool(config["shared-memory"]),
             skip_signal_handlers=bool(config["skip-signal-handlers"]),
             check_process_group=bool(config["check-process-group"]),
             heartbeat_interval=float(config["heartbeat-interval"]),

@@ -47,7 +47,7 @@ __all__ = [
 #: below, the handlers' arguments and answers). Raise it with any change a worker of the
 #: previous release could misread; the ``__init__`` call of every group carries the
 #: driver's, and a worker with another refuses to build the rank.
-WIRE_FORMAT = 3
+WIRE_FORMAT = 4
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
@@ -221,6 +221,9 @@ class ResultRef:
             falling back to ``address`` if that fails; ``None``: from ``address``.
         relays: how many consumers fetch it from this consumer's worker next (a relay chain:
             0 or 1); the rank uses its copy in place once they have it.
+        shared: the holding worker is on this consumer's host: map it from the shared-memory
+            file that worker writes it into (``daskwg.plugin.shared``), falling back to
+            fetching it over the comm.
     """
 
     key: str
@@ -231,6 +234,7 @@ class ResultRef:
     source: str = ""
     via: str | None = None
     relays: int = 0
+    shared: bool = False
 
 
 def call_message(

@@ -115,6 +115,18 @@ class Member(Worker):
         return {"ok": ok, "memory": sorted(t.data_ptr() for t in weights.values())}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hold_weights(self, weights: dict, version: float) -> bool:
+        """Keep ``weights`` unchanged (dropping the last ones held); whether every element
+        was ``version``."""
+        self.held = weights
+        return self.held_ok(version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def held_ok(self, version: float) -> bool:
+        """Whether the weights held are still all ``version``."""
+        return all(bool((t == version).all()) for t in self.held.values())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tcp_sent(self) -> int:
         from plane_workers import tcp_bytes_sent
 

@@ -67,7 +67,7 @@ def test_the_pool_keeps_at_most_its_limit_and_small_or_oversized_buffers_are_pla
         assert buffers.receive_buffer(8 * MiB).base is None
     with dask_config({"daskwg.buffer-pool": "auto"}):
         # No Dask worker in this process (the driver): nothing is kept.
-        assert buffers._limit() == 0
+        assert buffers.pool_limit() == 0
     with pytest.raises(ValueError, match="cannot have -1 bytes"):
         buffers.receive_buffer(-1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import dask
 import distributed
 import pytest
 from collective_workers import Member
@@ -174,7 +175,9 @@ def test_a_large_state_dict_is_relayed_sent_once_and_arrives_into_the_last_syncs
     # Above daskwg.relay-above (1 MiB) the rollout ranks relay the weights along a chain: the
     # trainer's worker sends them once, not once per rollout rank. Each rank receives into
     # memory of its own (its in-place change reaches no other rank), and once a rank dropped
-    # a sync's weights their buffers wait in daskwg.buffer-pool for a later sync.
+    # a sync's weights their buffers wait in daskwg.buffer-pool for a later sync. (Workers of
+    # one host share the trainer's copy instead, unless daskwg.shared-memory is off: the
+    # route between hosts, which tests/test_multihost.py takes too.)
     _, trainer, rollout = groups
     nbytes = 8 << 20
     memory = []
@@ -182,7 +185,8 @@ def test_a_large_state_dict_is_relayed_sent_once_and_arrives_into_the_last_syncs
         weights = trainer.big_weights(version, nbytes)[0]
         distributed.wait([weights])
         before = trainer.tcp_sent()[0]
-        got = rollout.keep_weights(weights, version)
+        with dask.config.set({"daskwg.shared-memory": False}):
+            got = rollout.keep_weights(weights, version)
         sent = trainer.tcp_sent()[0] - before
         assert [g["ok"] for g in got] == [True] * 3, version
         assert nbytes <= sent < 1.5 * nbytes, f"sync {version}: trainer rank 0 sent {sent} bytes"
@@ -191,6 +195,95 @@ def test_a_large_state_dict_is_relayed_sent_once_and_arrives_into_the_last_syncs
     # sync 1, whose buffers sync 3 then arrived into.
     assert memory[2] == memory[0]
     assert all(m1 != m0 for m1, m0 in zip(memory[1], memory[0])), memory
+
+
+def _open_files(dask_worker) -> int:
+    return dask_worker.plugins["daskwg"]._shared.nbytes
+
+
+def _no_shared_memory(side: str, dask_worker=None) -> None:
+    """Fault injection: this worker cannot make (``"producer"``) or map (``"consumer"``)
+    shared-memory files; ``"undo"`` undoes both."""
+    from daskwg.plugin import inputs, shared
+
+    def refuse(*_):
+        raise OSError("/proc/<pid>/fd is not ours to open here (fault injection)")
+
+    saved = dask_worker.__dict__.setdefault("_daskwg_saved", (shared.available, inputs.attach))
+    shared.available, inputs.attach = saved
+    if side == "producer":
+        shared.available = lambda: False
+    elif side == "consumer":
+        inputs.attach = refuse
+
+
+def test_a_large_state_dict_on_one_host_is_mapped_copy_on_write_from_one_shared_copy(groups):
+    # Workers of the trainer's host map the trainer worker's one shared-memory copy: nothing
+    # but the pickle header crosses a socket, each rank's in-place change stays its own (the
+    # next sync of the same future still reads the trainer's values), and the copy is closed
+    # once the driver drops the future.
+    client, trainer, rollout = groups
+    nbytes = 8 << 20
+    weights = trainer.big_weights(4.0, nbytes)[0]
+    distributed.wait([weights])
+    for sync in range(2):
+        before = trainer.tcp_sent()[0]
+        got = rollout.keep_weights(weights, 4.0)
+        sent = trainer.tcp_sent()[0] - before
+        assert [g["ok"] for g in got] == [True] * 3, f"sync {sync}: {got}"
+        assert sent < nbytes // 8, f"sync {sync}: trainer rank 0 sent {sent} bytes"
+    source = trainer.workers[0]
+    assert client.run(_open_files, workers=[source])[source] >= nbytes
+    del weights
+    deadline = time.monotonic() + 10
+    while client.run(_open_files, workers=[source])[source] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.run(_open_files, workers=[source])[source] == 0
+    # The ranks keep what they mapped after the copy was closed.
+    assert rollout.keep_weights(trainer.big_weights(5.0, nbytes)[0], 5.0)[0]["ok"]
+
+
+def _files_of(size: int, dask_worker=None) -> int:
+    """Shared-memory files (in use or pooled) of about ``size`` bytes on this worker."""
+    shared = dask_worker.plugins["daskwg"]._shared
+    files = [s.file for s in shared._segments.values()] + shared._pool
+    return sum(size <= f.capacity <= size + size // 4 for f in files)
+
+
+def test_a_shared_memory_file_is_rewritten_for_the_next_sync_only_once_no_rank_maps_it(groups):
+    # Sync 1's file, which no rank maps once they hold sync 2, takes sync 3; sync 2's, which
+    # the ranks still map (unchanged: no page of it copied), is never written meanwhile.
+    client, trainer, rollout = groups
+    nbytes = 6 << 20
+    source = trainer.workers[0]
+    for version in (7.0, 8.0):
+        weights = trainer.big_weights(version, nbytes)[0]
+        assert rollout.hold_weights(weights, version) == [True] * 3
+        del weights
+    weights = trainer.big_weights(9.0, nbytes)[0]
+    assert [g["ok"] for g in rollout.keep_weights(weights, 9.0)] == [True] * 3
+    assert rollout.held_ok(8.0) == [True] * 3
+    assert client.run(_files_of, nbytes, workers=[source])[source] == 2
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_shared_memory_that_cannot_be_made_or_mapped_falls_back_to_the_comm(groups, side):
+    client, trainer, rollout = groups
+    nbytes = 4 << 20
+    where = trainer.workers[:1] if side == "producer" else rollout.workers
+    client.run(_no_shared_memory, side, workers=where)
+    try:
+        weights = trainer.big_weights(6.0, nbytes)[0]
+        distributed.wait([weights])
+        before = trainer.tcp_sent()[0]
+        got = rollout.keep_weights(weights, 6.0)
+        sent = trainer.tcp_sent()[0] - before
+        assert [g["ok"] for g in got] == [True] * 3, got
+        # Each consumer fetched its own copy over the comm (not relayed: it was meant to map it).
+        assert sent >= 3 * nbytes, f"trainer rank 0 sent {sent} bytes"
+        assert [g["ok"] for g in rollout.keep_weights(weights, 6.0)] == [True] * 3
+    finally:
+        client.run(_no_shared_memory, "undo", workers=where)
 
 
 def test_weights_in_the_wrong_wrapper_are_refused_with_what_to_pass_instead(groups):

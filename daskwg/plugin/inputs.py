@@ -13,7 +13,9 @@ task's dependencies before it runs; the host thread then only waits for them
 (:meth:`Inputs.resolve`). A whole value fetched from another worker is used in place (its
 memory is the receive buffer, nobody else's); one held on this worker is copied once, so
 the rank may change its argument without changing the stored result; a relayed one is used
-in place once the next consumer has it (``daskwg.plugin.relay``).
+in place once the next consumer has it (``daskwg.plugin.relay``); one held by another worker
+of this host is mapped copy-on-write from the shared-memory file its worker wrote it into
+(``daskwg.plugin.shared``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..wire import Call, LazyArg, PartInfo, ResultRef
 from . import rows
 from .relay import Relays
 from .results import ResultStore
+from .shared import attach
 
 __all__ = ["Inputs"]
 
@@ -112,6 +115,14 @@ class Inputs:
             return _own_copy(await self.store.wait(ref))
         if ref.via is not None or ref.relays:
             return await self.relays.fetch(ref, relay_wait)
+        if ref.shared:
+            response = await self._ask(ref, "daskwg_shared")
+            if response["status"] == "OK":
+                return response["data"]
+            try:
+                return attach(response)
+            except OSError:
+                pass  # not this process's to open (another PID namespace): over the comm
         response = await self._ask(ref, "daskwg_fetch")
         return response["data"]
 
@@ -130,7 +141,7 @@ class Inputs:
             raise WorkerLostError(
                 ref.rank, ref.address, f"fetching the result of {ref.source or ref.key} failed: {exc}"
             ) from None
-        if response["status"] != "OK":
+        if response["status"] == "error":
             raise response["exception"]
         return response
 

@@ -69,6 +69,8 @@ class ResultStore:
         # Keys by driver session, so that a departed driver's results go with its ranks
         # (pruned of the keys released meanwhile as it grows).
         self._by_session: dict[str, set[str]] = {}
+        #: called with the keys of every :meth:`free` (``daskwg.plugin.shared`` closes their files).
+        self.on_free: list[Callable[[list[str]], None]] = []
 
     def install(self) -> None:
         """Install the ``daskwg_fetch``, ``daskwg_part_info``, ``daskwg_free`` and
@@ -128,6 +130,8 @@ class ResultStore:
 
     def free(self, keys: list[str]) -> None:
         """Drop these results (the driver let go of them), or drop them as they come."""
+        for hook in self.on_free:
+            hook(keys)
         published = []
         for key in keys:
             if self._values.pop(key, None) is not None or self._failed.pop(key, None) is not None:

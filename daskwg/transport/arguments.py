@@ -27,13 +27,14 @@ from dataclasses import replace
 from typing import Any
 
 from distributed import Future
+from distributed.comm.addressing import parse_address, parse_host_port
 
 from .. import wire
 from ..futures import DataProtoFuture
 from ..wire import LazyArg, ResultRef
 from .driver import Driver
 
-__all__ = ["extract_futures", "plan_relays", "ref_keys", "needs_dask", "source_of"]
+__all__ = ["extract_futures", "plan_relays", "same_host", "ref_keys", "needs_dask", "source_of"]
 
 #: Items of a list, tuple or dict argument searched for futures (larger ones are not, and a
 #: future inside them is refused when the arguments are packed).
@@ -141,10 +142,30 @@ def ref_keys(lazies: Sequence[list]) -> set[str]:
     }
 
 
+def same_host(a: str, b: str) -> bool:
+    """Whether the TCP/TLS addresses ``a`` and ``b`` (``"tcp://10.0.0.1:4000"``) name the same
+    host (other schemes: ``False``)."""
+    try:
+        (scheme_a, loc_a), (scheme_b, loc_b) = parse_address(a), parse_address(b)
+        if scheme_a not in ("tcp", "tls") or scheme_b not in ("tcp", "tls"):
+            return False
+        return parse_host_port(loc_a)[0] == parse_host_port(loc_b)[0]
+    except ValueError:
+        return False
+
+
 def plan_relays(
-    lazies: Sequence[list], addresses: Sequence[str], sizes: dict[str, int], relay_above: int
+    lazies: Sequence[list],
+    addresses: Sequence[str],
+    sizes: dict[str, int],
+    relay_above: int,
+    shared_memory: bool = False,
 ) -> None:
-    """Chain the consumers of every result that ranks on several workers take whole.
+    """Route the consumers of every result that ranks on other workers take whole.
+
+    With ``shared_memory`` (``daskwg.shared-memory``), a consumer on the producer's host
+    maps it from the one shared-memory copy its worker makes (:attr:`ResultRef.shared`,
+    ``daskwg.plugin.shared``); the others are chained.
 
     The first consumer (in rank order) fetches it from the producer's worker, every next
     one from the previous one's (:attr:`ResultRef.via`), each serving the next
@@ -156,6 +177,9 @@ def plan_relays(
     Args:
         lazies: per rank, its ``(kind, values)`` list (changed in place).
         addresses: per rank, its worker.
+        sizes: key -> bytes of the results known to have finished.
+        relay_above: ``daskwg.relay-above`` (bytes).
+        shared_memory: ``daskwg.shared-memory``.
     """
     chains: dict[str, list[tuple[list, int, str]]] = {}
     for lz, address in zip(lazies, addresses):
@@ -168,6 +192,9 @@ def plan_relays(
                     or v.address == address
                     or sizes.get(v.key, relay_above + 1) <= relay_above
                 ):
+                    continue
+                if shared_memory and same_host(v.address, address):
+                    values[i] = replace(v, shared=True)
                     continue
                 members = chains.setdefault(v.key, [])
                 if all(a != address for _, _, a in members):

@@ -197,7 +197,9 @@ class GroupTransport:
             # Another thread's calls and the client's loop change the records meanwhile
             # (with --async, a rollout's results finish while the trainer calls).
             sizes = self.driver.owned.sizes(ref_keys(lazies))
-            plan_relays(lazies, [s.address for s in slots], sizes, settings.relay_above)
+            plan_relays(
+                lazies, [s.address for s in slots], sizes, settings.relay_above, settings.shared_memory
+            )
         limit = current_limit(timeout, settings.call_timeout)
         failures, driver = self.failures, self.driver
         if check:
