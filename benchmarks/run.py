@@ -27,8 +27,9 @@ How "bytes through the driver" is measured: before and after the call, the drive
 socket it owns (``psutil.Process().net_connections()`` gives the file descriptors).
 These are the kernel's per-socket byte counters, so they count everything the driver
 received or sent whatever library did it (Dask's comm, Ray's gRPC). Ray can also move
-objects to a same-host process through shared memory, which no socket counter sees, so
-the driver's RSS growth during the call is reported next to it. A rank's process is
+objects to a same-host process through shared memory, which no socket counter sees (so
+does daskwg, for a whole value that ranks on other workers of the producer's host take:
+weights, ``daskwg.shared-memory``), so the driver's RSS growth during the call is reported next to it. A rank's process is
 measured the same way by a method of the rank itself (``net``), which is how the
 source egress of a broadcast or weight sync is counted.
 """
@@ -920,11 +921,16 @@ def ws_collective(system, trainer, rollout) -> list:
 
 
 def ws_relay(system, trainer, rollout) -> list:
-    """A data-plane broadcast relayed between the rollout ranks. daskwg's data plane relays
-    a value that several ranks of one call take whole by itself (above
-    ``daskwg.relay-above``), so the ``future`` and ``concat`` routes measure it: their
-    trainer egress is the relay's. No call of its own to measure here."""
-    raise RouteUnavailable("the data plane relays by itself: the future and concat routes are relayed")
+    """A data-plane broadcast relayed along a chain of the rollout ranks, each fetching from
+    the previous one over TCP: the route between hosts. On one host daskwg's data plane
+    hands the weights over in shared memory (``daskwg.shared-memory``; the ``future`` and
+    ``concat`` routes), so this route turns that off."""
+    import dask
+
+    if "shared-memory" not in dask.config.get("daskwg", {}):
+        raise RouteUnavailable("this daskwg relays by itself: the future and concat routes are relayed")
+    with dask.config.set({"daskwg.shared-memory": False}):
+        return rollout.load_weights(system.daskwg.DataProtoFuture.concat([trainer.get_weights()]))
 
 
 WEIGHT_ROUTES = (
@@ -938,7 +944,12 @@ WEIGHT_ROUTES = (
     ("concat", "`load_weights(DataProtoFuture.concat([get_weights()]))`", ("daskwg",), ws_concat),
     ("driver", "through the driver: `load_weights(get(get_weights()))`", ("daskwg",), ws_driver),
     ("collective", "cross-group collective broadcast", ("daskwg",), ws_collective),
-    ("relay", "relayed data-plane broadcast", ("daskwg",), ws_relay),
+    (
+        "relay",
+        "relayed data-plane broadcast (`daskwg.shared-memory: false`: the route between hosts)",
+        ("daskwg",),
+        ws_relay,
+    ),
 )
 WEIGHT_CASES = (("2->4", "g2"), ("1->4", "g1"))
 
@@ -1844,7 +1855,10 @@ DISCUSSION = """\
     over TCP; the driver process also runs `local_cluster`'s scheduler, and the
     through-the-driver route's gather (`client.gather`, Dask's default, not direct)
     passes the weights from the scheduler to the client inside it, one more 1×.
-    Same-host Ray moves objects through shared memory, which no socket counter sees.
+    Same-host Ray moves objects through shared memory, which no socket counter sees; so
+    does daskwg's data plane (`daskwg.shared-memory`: the trainer's worker writes the
+    weights once into a shared-memory file that every rollout rank maps copy-on-write),
+    except on the relay route, which turns that off to measure the route between hosts.
   * *Floors*: see the floors table; every row's floor is named in its row. The
     per-call rows use the raw Dask rpc round trip with the thread hop that daskwg's
     contract requires (one round of it for a whole step: a plan's floor), the data
