@@ -57,10 +57,8 @@ from .ports import reserve_port
 from .process_group import ProcessGroups
 from .rank import HostedRank, ProcessEnv, snapshot, strip_padding
 from .rank_loop import install_signal_shim, rank_thread
-from .relay import Relays
 from .results import ResultStore
 from .sequencer import Sequencer
-from .shared import SharedResults
 
 __all__ = ["HostPlugin"]
 
@@ -101,13 +99,9 @@ class HostPlugin(WorkerPlugin):
         self._metrics = CallMetrics()
         #: results of non-blocking calls, kept here under keys their driver owns.
         self.results = ResultStore(worker, self._sequencer.seen)
-        relays = Relays(worker, self.results)
-        self._shared = SharedResults(worker, self.results)
-        self._inputs = Inputs(worker, self.results, relays)
+        self._inputs = Inputs(worker, self.results)
         self._plans = PlanRunner(self)
         self.results.install()
-        relays.install()
-        self._shared.install()
         handlers = {
             "daskwg_call": self._handle_call,
             "daskwg_stream": self._handle_stream,
@@ -131,7 +125,7 @@ class HostPlugin(WorkerPlugin):
         for h in hosted:
             h.close_loop(wait=False)
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._shared.close()
+        self._inputs.shared.close()
 
     def hosted_ranks(self) -> list[tuple[str, str, int]]:
         """``(group name, group id, rank)`` of every rank hosted here, sorted."""

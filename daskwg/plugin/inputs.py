@@ -36,7 +36,7 @@ from ..wire import Call, LazyArg, PartInfo, ResultRef
 from . import rows
 from .relay import Relays
 from .results import ResultStore
-from .shared import attach
+from .shared import SharedResults, attach
 
 __all__ = ["Inputs"]
 
@@ -79,13 +79,18 @@ class Inputs:
     Args:
         worker: the Dask worker.
         store: its :class:`~daskwg.plugin.results.ResultStore`.
-        relays: its :class:`~daskwg.plugin.relay.Relays`.
+
+    Builds and installs the worker's :class:`~daskwg.plugin.relay.Relays` (``relays``) and
+    :class:`~daskwg.plugin.shared.SharedResults` (``shared``), which serve its results on.
     """
 
-    def __init__(self, worker: Any, store: ResultStore, relays: Relays):
+    def __init__(self, worker: Any, store: ResultStore):
         self.worker = worker
         self.store = store
-        self.relays = relays
+        self.relays = Relays(worker, store)
+        self.shared = SharedResults(worker, store)
+        self.relays.install()
+        self.shared.install()
 
     # ---- on the event loop, when a call arrives --------------------------------------
 
