@@ -368,8 +368,15 @@ def _materialize_futures(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """New args/kwargs with every top-level DataProtoFuture replaced by its ``.get()``."""
-    if not any(isinstance(v, DataProtoFuture) for v in (*args, *kwargs.values())):
-        return args, kwargs
+    for v in args:
+        if isinstance(v, DataProtoFuture):
+            break
+    else:
+        for v in kwargs.values():
+            if isinstance(v, DataProtoFuture):
+                break
+        else:
+            return args, kwargs
     new_args = tuple(arg.get() if isinstance(arg, DataProtoFuture) else arg for arg in args)
     new_kwargs = {key: v.get() if isinstance(v, DataProtoFuture) else v for key, v in kwargs.items()}
     return new_args, new_kwargs

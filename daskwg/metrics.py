@@ -18,6 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
+
+from .protocol import DataProto
 
 __all__ = ["BUCKETS", "CallMetrics", "merge", "payload_nbytes"]
 
@@ -36,23 +39,37 @@ def payload_nbytes(obj: Any, _depth: int = 0) -> int:
     travels), ``numpy.ndarray`` (``nbytes``), and walks ``DataProto``/``TensorDict``
     (duck-typed), lists, tuples and dicts. Scalars and other objects count 0: they are
     small next to the batches, and measuring them would cost a pickle.
+
+    It runs twice per hosted call (arguments and result), so the common kinds are told
+    by their exact type first (a scalar costs one set lookup, ~0.1 µs) and only other
+    objects by ``isinstance`` and attribute checks.
     """
-    if _depth > _MAX_DEPTH or obj is None:
+    kind = type(obj)
+    if kind in _NO_BYTES or _depth > _MAX_DEPTH:
         return 0
-    if isinstance(obj, torch.Tensor):
+    if kind is tuple or kind is list:
+        return _sum_of(obj, _depth)
+    if kind is dict:
+        return _sum_of(obj.values(), _depth)
+    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
         if obj.layout is not torch.strided:
             return 0
-        return obj.nelement() * obj.element_size()
-    if isinstance(obj, np.ndarray):
+        return obj.nbytes  # its own elements (a view's, not its base's)
+    if kind is np.ndarray or isinstance(obj, np.ndarray):
         return int(obj.nbytes)
+    if kind is DataProto:
+        return payload_nbytes(obj.batch, _depth + 1) + payload_nbytes(obj.non_tensor_batch, _depth + 1)
+    if kind is _PlainTensorDict:
+        # Its own entries: tensors, and nested TensorDicts, which this walk opens in turn.
+        return _sum_of(obj._tensordict.values(), _depth)
     if hasattr(obj, "header") and hasattr(obj, "buffers"):
         # A result snapshotted at return (serialization.Packed): its out-of-band buffers
         # are the tensors' and arrays' bytes.
         return sum(memoryview(b).nbytes for b in obj.buffers)
     if isinstance(obj, (list, tuple)):
-        return sum(payload_nbytes(v, _depth + 1) for v in obj)
+        return _sum_of(obj, _depth)
     if isinstance(obj, Mapping):
-        return sum(payload_nbytes(v, _depth + 1) for v in obj.values())
+        return _sum_of(obj.values(), _depth)
     if hasattr(obj, "non_tensor_batch") and hasattr(obj, "batch"):  # DataProto
         return payload_nbytes(obj.batch, _depth + 1) + payload_nbytes(obj.non_tensor_batch, _depth + 1)
     if hasattr(obj, "batch_size") and hasattr(obj, "values") and hasattr(obj, "keys"):  # TensorDict
@@ -60,8 +77,21 @@ def payload_nbytes(obj: Any, _depth: int = 0) -> int:
             leaves = obj.values(include_nested=True, leaves_only=True)
         except TypeError:
             leaves = obj.values()
-        return sum(payload_nbytes(v, _depth + 1) for v in leaves)
+        return _sum_of(leaves, _depth)
     return 0
+
+
+def _sum_of(items: Iterable, depth: int) -> int:
+    total = 0
+    for v in items:
+        if type(v) not in _NO_BYTES:
+            total += payload_nbytes(v, depth + 1)
+    return total
+
+
+# Types that hold no tensor or array bytes, told apart by exact type in payload_nbytes.
+_NO_BYTES = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PlainTensorDict = TensorDict
 
 
 class CallMetrics:

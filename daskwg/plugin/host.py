@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import dask.config
+from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
@@ -360,9 +361,13 @@ class HostPlugin(WorkerPlugin):
         # Sync rank code may call asyncio.get_event_loop() (verl's tool parsers and reward
         # managers do) and expects the same loop on every call. asyncio.run() inside a
         # method unsets the thread's loop when it ends, so it is put back before each call.
-        if self._host_loop is None or self._host_loop.is_closed():
-            self._host_loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._host_loop)
+        loop = self._host_loop
+        if loop is None or loop.is_closed():
+            loop = self._host_loop = asyncio.new_event_loop()
+        # The policy's record of this thread's loop, read without get_event_loop()'s
+        # side effects; any other policy is simply told again.
+        if getattr(getattr(asyncio.get_event_loop_policy(), "_local", None), "_loop", None) is not loop:
+            asyncio.set_event_loop(loop)
 
     def _execute_counted(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
         t0 = time.perf_counter()
@@ -513,11 +518,13 @@ def _bind_worker(worker: Any) -> None:
     runs; the host thread is not one of Dask's task threads, so bind it here. Every
     call and every coroutine on the rank's event loop then sees the hosting worker.
     """
-    from distributed import worker as dask_worker
+    if _WORKER_CVAR is not None and _WORKER_CVAR.get(None) is not worker:
+        _WORKER_CVAR.set(worker)
 
-    cvar = getattr(dask_worker, "_worker_cvar", None)
-    if cvar is not None and cvar.get(None) is not worker:
-        cvar.set(worker)
+
+# The context variable distributed.get_worker() reads (private to distributed: if a release
+# drops it, ranks see no bound worker outside Dask's own task threads, as before binding).
+_WORKER_CVAR = getattr(dask_worker, "_worker_cvar", None)
 
 
 def _allow_child_processes() -> None:

@@ -309,8 +309,12 @@ class Replay:
         with self._cond:
             self._replied.update(indices)
             self._waiting -= 1
-            self._cond.notify_all()
-        if self.event is not None:
+            # The waiter has news only when the last worker replied or a call failed (its
+            # errors are in before this); until then its periodic look (_check) suffices.
+            news = self._waiting <= 0 or bool(self.errors)
+            if news:
+                self._cond.notify_all()
+        if news and self.event is not None:
             self.event.set()
 
     def wait(self, limit: Limit | None, name: str, settings: Settings) -> None:
