@@ -161,13 +161,18 @@ def reduce_tensor(t: torch.Tensor, copy: bool) -> Any:
     if layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
         return NotImplemented  # torch's own pickling
     device = str(t.device)
-    data = t.detach()
+    # Each torch call below goes through the dispatcher and lets go of the GIL: only the
+    # ones this tensor needs are made (a plain CPU tensor: none but the byte view).
+    data = t.detach() if rg else t
     if _travels_strided(data):
         return _reduce_strided(data, device, rg, copy)
     fresh = False
-    if data.device.type != "cpu":
+    if not data.is_cpu:
         data, fresh = data.cpu(), True
-    data = data.resolve_conj().resolve_neg()
+    if data.is_conj():
+        data = data.resolve_conj()
+    if data.is_neg():
+        data = data.resolve_neg()
     if not data.is_contiguous():
         data, fresh = data.contiguous(), True
     if copy and not fresh:
