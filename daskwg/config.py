@@ -26,6 +26,11 @@ with open(_path) as f:
 dask.config.update_defaults(defaults)
 
 
+# The Settings of the last daskwg config read, by its (key, value) pairs: Settings.current()
+# runs several times per call, and building one costs ~10 us.
+_LAST: dict[tuple, Settings] = {}
+
+
 @dataclass(frozen=True)
 class Settings:
     """The ``daskwg.*`` settings at one moment (see ``daskwg.yaml`` for each one's meaning).
@@ -82,7 +87,23 @@ class Settings:
         """The settings in force in this thread now (``dask.config.set`` blocks included)."""
         # Keys set through the environment (DASK_DASKWG__SHUTDOWN_TIMEOUT) may arrive spelt
         # with underscores; dask.config.get accepts both spellings, so does this.
-        config = {key.replace("_", "-"): value for key, value in dask.config.get("daskwg").items()}
+        raw = dask.config.get("daskwg")
+        try:
+            # Nested sections (the dashboard's) are not settings of calls: not in the key.
+            state = tuple(item for item in raw.items() if type(item[1]) is not dict)
+            cached = _LAST.get(state)
+        except TypeError:  # an unhashable value: read it afresh
+            state, cached = None, None
+        if cached is not None:
+            return cached
+        settings = cls._read({key.replace("_", "-"): value for key, value in raw.items()})
+        if state is not None:
+            _LAST.clear()  # the last state only: a config changes rarely, and few states recur
+            _LAST[state] = settings
+        return settings
+
+    @classmethod
+    def _read(cls, config: dict) -> Settings:
         timeout = config.get("call-timeout")
         return cls(
             poll_interval=float(config["poll-interval"]),

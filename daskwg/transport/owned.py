@@ -159,10 +159,7 @@ class CallFuture(Future):
         self._verify_initialized()
         if not self._cleared and self.client.generation == self._generation:
             self._cleared = True
-            try:
-                self.client.loop.add_callback(state.owned.drop_reference, self.key)
-            except TypeError:  # pragma: no cover - shutting down: add_callback may be None
-                pass
+            state.owned.queue_drop(self.key)
 
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
@@ -194,6 +191,8 @@ class Owned:
         self.streams = streams
         self._frees: dict[tuple[str, str | None], list[str]] = {}
         self._frees_lock = threading.Lock()
+        self._drops: list[str] = []  # released references, for the loop (queue_drop)
+        self._drops_lock = threading.Lock()
         self._urgent: set[tuple[str, str | None]] = set()  # with a large one among them
         # The frees waiting for a worker go with the next call written to it, if one
         # comes first: one write, and one wake-up of the worker, for both.
@@ -394,6 +393,25 @@ class Owned:
                     )
         finally:
             self._registering = False
+
+    def queue_drop(self, key: str) -> None:
+        """:meth:`drop_reference` of ``key`` on the client's loop (any thread). References
+        dropped together (a call's per-rank futures, a gathered list) go in one callback:
+        waking the loop from another thread costs a write to its self-pipe each time."""
+        with self._drops_lock:
+            self._drops.append(key)
+            if len(self._drops) > 1:
+                return  # a callback is due already
+        try:
+            self.client.loop.add_callback(self._drop_queued)
+        except TypeError:  # pragma: no cover - shutting down: add_callback may be None
+            pass
+
+    def _drop_queued(self) -> None:
+        with self._drops_lock:
+            keys, self._drops = self._drops, []
+        for key in keys:
+            self.drop_reference(key)
 
     def drop_reference(self, key: str) -> None:
         """A :class:`CallFuture` of ``key`` was released (on the client's loop): Dask's
