@@ -10,8 +10,10 @@ import time
 import urllib.request
 import uuid
 
+import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 from workers import AddWorker
 
 from daskwg import ClassWithInitArgs, DataProto, WorkerGroup
@@ -176,6 +178,18 @@ def test_payload_nbytes_counts_tensor_and_array_bytes():
     assert payload_nbytes(batch) == 5 * 3 * 2
     assert payload_nbytes(((torch.zeros(10)[:4],), {"n": 3})) == 4 * 4
     assert payload_nbytes("text") == 0
+    # Every kind the walk tells by exact type, and the duck-typed ones it falls back to.
+    nested = TensorDict({"a": torch.zeros(4, 2), "inner": TensorDict({"b": torch.zeros(4)}, [4])}, [4])
+    assert payload_nbytes(nested) == 4 * 2 * 4 + 4 * 4
+    assert payload_nbytes(DataProto(batch=nested, non_tensor_batch={"s": np.zeros(4)})) == 48 + 32
+    assert payload_nbytes([1, 2.0, None, True, b"x", {"k": np.zeros(3, dtype=np.int16)}]) == 6
+
+    class VerlLike:  # verl's DataProto: told by its attributes
+        def __init__(self):
+            self.batch, self.non_tensor_batch = nested, {}
+
+    assert payload_nbytes((VerlLike(),)) == 48
+    assert payload_nbytes(torch.zeros(3, 3).to_sparse()) == 0
 
 
 def test_worker_counters_add_up_over_workers():

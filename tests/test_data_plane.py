@@ -334,6 +334,21 @@ def test_snapshot_copies_only_tensors_something_else_can_change():
     assert serialization.loads(packed)[0].tolist() == [1.0] * 16
 
 
+def test_tensors_with_autograd_conjugate_or_negative_bits_travel_as_their_values():
+    """codec.reduce_tensor makes only the torch calls a tensor needs: a leaf that requires
+    grad, a lazily conjugated and a lazily negated view still travel as their values."""
+    leaf = torch.arange(4.0, requires_grad=True)
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    values = {"leaf": leaf, "conj": z.conj(), "neg": torch.ops.aten._neg_view(z), "plain": torch.arange(3)}
+    assert values["conj"].is_conj() and values["neg"].is_neg()
+    for packed in (serialization.dumps(values), serialization.snapshot(dict(values))):
+        back = serialization.loads(packed)
+        assert back["leaf"].requires_grad and back["leaf"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert back["conj"].tolist() == [1 - 2j, 3 + 4j] and not back["conj"].is_conj()
+        assert back["neg"].tolist() == [-1 - 2j, -3 + 4j] and not back["neg"].is_neg()
+        assert back["plain"].tolist() == [0, 1, 2]
+
+
 def test_objects_of_a_module_registered_by_value_travel_by_value():
     """``cloudpickle.register_pickle_by_value(module)``: workers that cannot import the
     module (a script's helper module) still load its objects."""
