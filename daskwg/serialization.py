@@ -295,10 +295,8 @@ def private(obj: Any, *, held: int = 1) -> bool:
 def _storage_private(t: torch.Tensor) -> bool:
     if not t.is_cpu or t.layout != torch.strided:
         return True  # packing copies it to host memory or into index/value tensors anyway
-    if t._base is not None:
-        return False
     storage = t.untyped_storage()
-    if storage.is_shared():  # what Tensor.is_shared() asks, without its TypedStorage (~2 µs)
+    if t._base is not None or storage.is_shared():  # Tensor.is_shared() without its TypedStorage
         return False
     # A storage on memory torch does not own (torch.from_numpy, DLPack) is not resizable;
     # one rebuilt here on received bytes is nobody else's.
