@@ -146,8 +146,11 @@ class PlanPath:
                 return replay
             opening = any(not driver.streams.is_open(a, s) for a, s, *_ in batches)
             written = threading.Event() if big or opening else None
-            client = entries[0].transport.ranks.client
-            client.loop.add_callback(self._send_all, replay, batches, written, driver.streams)
+            if written is None:  # small messages on open streams: written from this thread
+                batches = [b for b in batches if not self._send_now(replay, b, driver.streams)]
+            if batches:
+                client = entries[0].transport.ranks.client
+                client.loop.add_callback(self._send_all, replay, batches, written, driver.streams)
         except BaseException:
             # Calls that were never sent must not hold up later ones on their workers.
             for e, call in zip(entries, calls):
@@ -196,6 +199,11 @@ class PlanPath:
             batch = _Batch(address, server_id, indices, replay)
             asyncio.ensure_future(self._one(batch, message, buffers, _nothing, channel.streams))
         await replay.wait_async(limit, settings, name, channel.pool)
+
+    def _send_now(self, replay: Replay, batch: tuple, streams: CallStreams) -> bool:
+        address, server_id, indices, message, buffers = batch
+        reply = functools.partial(self._reply, _Batch(address, server_id, indices, replay))
+        return streams.send_now(address, server_id, message, buffers, reply)
 
     def _send_all(self, replay: Replay, batches: list, written: Any, streams: CallStreams) -> None:
         remaining = [len(batches)]

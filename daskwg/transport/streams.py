@@ -10,7 +10,9 @@ the same address gets a fresh one, and a stream whose connection closed is never
 
 The driver has one :class:`CallStreams` on the client's event loop (non-blocking calls) and
 one per calling thread's own loop (blocking calls, ``daskwg.transport.channel``); each is
-used only on its loop.
+used only on its loop, except that a calling thread may write a small call on an open
+stream of the client's loop itself (:meth:`CallStreams.send_now`, one wake-up of the
+loop's thread fewer per call); its reply is read on the loop all the same.
 """
 
 from __future__ import annotations
@@ -92,6 +94,20 @@ class _Stream:
         except BaseException:
             self.pending.pop(cid, None)
             raise
+
+    def send_now(self, message: tuple, buffers: list, on_reply: Callable[[Any, list], None]) -> bool:
+        """:meth:`send` from any thread, written at once (``FrameStream.write_now``) if the
+        stream is open and its loop is not writing; ``False``: nothing was sent, use
+        :meth:`send` on the stream's loop."""
+        frames = self.frames
+        if self.closed or frames is None:
+            return False
+        cid = next(self.ids)
+        self.pending[cid] = on_reply
+        if frames.write_now((message[0], cid, *message[2:]), buffers, self._lead):
+            return True
+        self.pending.pop(cid, None)
+        return False
 
     async def post(self, message: tuple) -> None:
         """Write a message that has no reply."""
@@ -178,6 +194,24 @@ class CallStreams:
     ) -> None:
         """:meth:`_Stream.send` on the stream to the worker process ``server_id`` at ``address``."""
         await self._stream(address, server_id).send(message, buffers, on_reply)
+
+    def send_now(
+        self,
+        address: str,
+        server_id: str | None,
+        message: tuple,
+        buffers: list,
+        on_reply: Callable[[Any, list], None],
+    ) -> bool:
+        """:meth:`_Stream.send_now` on the open stream to that worker process, from any thread
+        (``False``: there is none, or it could not take the message at once: use :meth:`send`
+        on this loop)."""
+        key = (address, server_id)
+        stream = self._streams.get(key)
+        epoch = self.epochs.get(server_id, 0) if server_id is not None else 0
+        if stream is None or self._epoch.get(key) != epoch:
+            return False
+        return stream.send_now(message, buffers, on_reply)
 
     async def post(self, address: str, server_id: str | None, message: tuple) -> None:
         """:meth:`_Stream.post` on the stream to that worker process."""

@@ -96,7 +96,11 @@ class SubmitPath:
             # Waiting for a stream to open is bounded by OPENING_WAIT.
             opening = any(not driver.streams.is_open(ranks.address(c.rank), c.worker_id) for c in calls)
             written = threading.Event() if big or opening else None
-            ranks.client.loop.add_callback(self._send_all, calls, messages, written)
+            if written is None:
+                # Small calls on open streams are written from this thread, no hop to the loop.
+                calls, messages = self._send_now(calls, messages)
+            if calls:
+                ranks.client.loop.add_callback(self._send_all, calls, messages, written)
         except BaseException:
             # Calls that were never sent must not hold up later ones on their workers.
             for call in calls:
@@ -108,6 +112,17 @@ class SubmitPath:
             # Bounded: a worker that cannot be reached fails these futures, not this call.
             written.wait(OPENING_WAIT)
         return futures
+
+    def _send_now(self, calls: list[Call], messages: list) -> tuple[list[Call], list]:
+        """Write what the streams take at once (``CallStreams.send_now``); returns the rest."""
+        streams, address = self.ranks.driver.streams, self.ranks.address
+        rest: tuple[list[Call], list] = ([], [])
+        for call, (message, buffers) in zip(calls, messages):
+            reply = functools.partial(self._reply, call, message[4])
+            if not streams.send_now(address(call.rank), call.worker_id, message, buffers, reply):
+                rest[0].append(call)
+                rest[1].append((message, buffers))
+        return rest
 
     def _send_all(self, calls: list[Call], messages: list, written: threading.Event | None) -> None:
         remaining = [len(calls)]
