@@ -112,3 +112,90 @@ def test_reading_a_stream_of_small_messages_keeps_its_socket_registered():
         assert calls["add_reader"] + calls["remove_reader"] < n // 10, calls
 
     asyncio.run(main())
+
+
+def test_writes_from_other_threads_and_the_loop_arrive_whole_and_each_writers_in_order():
+    """``write_now`` from two threads while the loop writes large messages of its own: every
+    message arrives whole, each thread's direct writes keep their order, and writes the
+    socket could not take at once (the reader paused, the buffers full) go out later."""
+    import threading
+
+    async def main():
+        close, writer, reader = await _pair()
+        loop = asyncio.get_running_loop()
+        rng = np.random.default_rng(1)
+        big = rng.integers(0, 256, 3 * frames._READ_BUFFER, dtype=np.uint8).tobytes()
+        chunk = rng.integers(0, 256, frames._SMALL - 64, dtype=np.uint8).tobytes()
+        direct: dict[str, list[int]] = {"a": [], "b": []}
+        expected = {}
+
+        def thread_writes(name: str) -> None:
+            for i in range(150):
+                message = ("call", 0, name, i)
+                buffers = [chunk[: (i * 997) % len(chunk)]]
+                expected[(name, i)] = buffers[0]
+                if writer.write_now(message, buffers):
+                    direct[name].append(i)
+                else:  # the loop was writing: through it, as a call stream does then
+                    asyncio.run_coroutine_threadsafe(writer.write(message, buffers), loop).result(10)
+
+        async def loop_writes() -> None:
+            for i in range(20):
+                expected[("loop", i)] = big
+                await writer.write(("call", 0, "loop", i), [big])
+                await asyncio.sleep(0)
+
+        got: dict = {}
+        order: dict[str, list[int]] = {"a": [], "b": [], "loop": []}
+
+        async def read_all() -> None:
+            await asyncio.sleep(0.2)  # the reader starts late: the socket's buffers fill up
+            while len(got) < 320:
+                message, buffers = await asyncio.wait_for(reader.read(), 10)
+                got[(message[2], message[3])] = b"".join(bytes(b) for b in buffers)
+                order[message[2]].append(message[3])
+
+        reading = asyncio.ensure_future(read_all())
+        threads = [threading.Thread(target=thread_writes, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        await loop_writes()
+        await asyncio.wait_for(reading, 20)
+        for t in threads:
+            await loop.run_in_executor(None, t.join, 10)
+        assert got == expected
+        for name in ("a", "b"):
+            assert direct[name], "no write went straight to the socket"
+            sent_direct = [i for i in order[name] if i in set(direct[name])]
+            assert sent_direct == direct[name]
+        assert order["loop"] == list(range(20))
+        await close()
+
+    asyncio.run(main())
+
+
+def test_write_now_declines_where_it_cannot_write_the_socket_itself():
+    """Too large for one write, or made outside an event loop (no loop to finish a partial
+    write on): ``write_now`` writes nothing, takes no lead, and says so; where it writes, the
+    lead goes just before the message."""
+
+    async def main():
+        close, writer, reader = await _pair()
+        leads = []
+
+        def lead():
+            leads.append(1)
+            return ("free", 0, ["k"])
+
+        assert not writer.write_now(("call", 0, "large"), [b"x" * (frames._SMALL + 1)], lead)
+        outside = await asyncio.get_running_loop().run_in_executor(None, FrameStream, writer.comm)
+        assert not outside.write_now(("call", 0, "outside"), [b"x"], lead)
+        assert leads == []
+        assert writer.write_now(("call", 1, "small"), [b"y"], lead)
+        assert leads == [1]
+        assert (await asyncio.wait_for(reader.read(), 10))[0] == ("free", 0, ["k"])
+        message, buffers = await asyncio.wait_for(reader.read(), 10)
+        assert message == ("call", 1, "small") and bytes(buffers[0]) == b"y"
+        await close()
+
+    asyncio.run(main())

@@ -39,7 +39,15 @@ def messages(monkeypatch):
         sent["n"] += 1
         return await original(self, *args, **kwargs)
 
+    original_now = CallStreams.send_now
+
+    def counting_now(self, *args, **kwargs):  # written by the calling thread itself
+        written = original_now(self, *args, **kwargs)
+        sent["n"] += written
+        return written
+
     monkeypatch.setattr(CallStreams, "send", counting)
+    monkeypatch.setattr(CallStreams, "send_now", counting_now)
     return sent
 
 
