@@ -921,9 +921,9 @@ def test_results_dropped_before_the_scheduler_knew_them_cost_it_nothing_and_leav
 @pytest.mark.timeout(120)
 def test_the_frees_of_dropped_results_go_with_the_next_call_to_their_worker(hclient, monkeypatch):
     # With the timed flush pushed past the test, only the next call can carry the frees.
-    from daskwg.transport import owned
+    from daskwg.transport import frees
 
-    monkeypatch.setattr(owned, "FREE_DELAY", 600.0)
+    monkeypatch.setattr(frees, "FREE_DELAY", 600.0)
     mib = 4
     with WorkerGroup(hclient, LeakWorker, world_size=2) as wg:
         wg.produce(0).get()

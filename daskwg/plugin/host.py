@@ -30,7 +30,6 @@ import gc
 import logging
 import multiprocessing
 import os
-import pickle
 import threading
 import time
 from concurrent.futures import Future as ConcurrentFuture
@@ -41,16 +40,16 @@ import dask.config
 from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
-from distributed.protocol import to_serialize
 
-from .. import serialization, wire  # serialization also installs the tensor serializer in workers
+from .. import wire  # serialization also installs the tensor serializer in workers
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
 from ..metrics import CallMetrics, payload_nbytes
 from ..wire import PLUGIN_NAME, Call
 from . import rows, stream
 from .calls import CallTable, status_records
-from .exceptions import earlier_process_error, picklable, rank_error, unpickling_error
+from .direct import DirectCalls
+from .exceptions import earlier_process_error, rank_error
 from .inputs import Inputs
 from .interfaces import socket_ifname_env
 from .planned import PlanRunner
@@ -102,9 +101,10 @@ class HostPlugin(WorkerPlugin):
         self.results = ResultStore(worker, self._sequencer.seen)
         self._inputs = Inputs(worker, self.results)
         self._plans = PlanRunner(self)
+        self.direct = DirectCalls(self)
         self.results.install()
         handlers = {
-            "daskwg_call": self._handle_call,
+            "daskwg_call": self.direct.handle_call,
             "daskwg_stream": self._handle_stream,
             "daskwg_skip": self._handle_skip,
             "daskwg_cancel": self._handle_cancel,
@@ -178,104 +178,11 @@ class HostPlugin(WorkerPlugin):
 
     # ---- comm handlers ---------------------------------------------------------------
 
-    async def _handle_call(
-        self,
-        call: tuple,
-        payload: dict,
-        key: str | None = None,
-        refs: dict | None = None,
-        inline: int = 0,
-        relay_wait: float = 10.0,
-    ) -> dict:
-        """A call as a Dask request (``daskwg_call``): :meth:`run` it and reply with
-        ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
-        ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
-        send calls on call streams (``daskwg_stream``); this serves what else sends one."""
-        status, nbytes, error, result = await self.run(
-            Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
-        )
-        if status != "OK":
-            return {"status": status, "exception": to_serialize(error)}
-        reply: dict = {"status": "OK", "nbytes": nbytes}
-        if result is not None:
-            reply["result"] = serialization.message_part(result)
-        return reply
-
-    async def run(
-        self,
-        call: Call,
-        payload: serialization.Packed,
-        refs: Any,
-        key: str | None = None,
-        inline: int = 0,
-        relay_wait: float = 10.0,
-    ) -> tuple:
-        """Run one call that came straight to this worker (the direct path).
-
-        Args:
-            call: the call.
-            payload: its arguments, pickled (:func:`daskwg.serialization.dumps`).
-            refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
-                message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
-            key: a non-blocking call's: its result stays here under ``key``.
-            inline: bytes up to which a kept result is returned as well.
-            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
-        Returns:
-            ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
-            ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
-            for the driver); ``result`` the snapshot to send back (a blocking call's, or a
-            kept one of at most ``inline`` bytes holding no tensors or arrays), else ``None``.
-        """
-        try:
-            args = serialization.loads(payload)
-            del payload
-            if refs is not None:
-                refs = pickle.loads(refs) if isinstance(refs, bytes) else serialization.unpack(refs)
-            lazy = None if refs is None else self._inputs.prefetch(refs, relay_wait)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
-            # The call never reaches the host: give up its place in the order.
-            self._sequencer.skip(call.session, call.seq)
-            error = unpickling_error(call, self.address, exc)
-            if key is not None:
-                self.results.fail(key, error)
-            return "error", None, error, None
-        if key is not None:
-            self.results.expect(key, call.session)
-        box = [args]
-        del args
-        cfut = self.enqueue(call, box, lazy, boxed=True)
-        del box, lazy
-        try:
-            result = await asyncio.wrap_future(cfut)
-        except asyncio.CancelledError:
-            if not cfut.cancelled():
-                # This worker is closing (retired, restarted, scaled down, lost its
-                # scheduler): the driver sees the connection close and reports the
-                # worker lost, never a bare CancelledError.
-                raise
-            if key is not None:  # its future was cancelled before it ran
-                self.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
-            return "cancelled", None, None, None
-        except BaseException as exc:  # noqa: BLE001
-            error = picklable(exc)
-            if key is not None:
-                self.results.fail(key, error)
-            if self.calls.was_cancelled(call):
-                self.calls.forget_cancelled(call)
-                return "cancelled", None, None, None
-            return "error", None, error, None
-        self.calls.forget_cancelled(call)
-        if not isinstance(result, serialization.Packed):
-            result = serialization.dumps(result)  # a life-cycle call's (None, True)
-        if key is None:
-            return "OK", result.nbytes, None, result
-        self.results.put(key, result)
-        small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
-        return "OK", result.nbytes, None, result if small else None
-
     async def _handle_stream(self, comm: Any) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
-        return await stream.serve(comm, self.run, self.results.free, self._plans.run, self.results.packed)
+        return await stream.serve(
+            comm, self.direct.run, self.results.free, self._plans.run, self.results.packed
+        )
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:
         """Cancel calls ``seqs`` of driver ``session`` (their futures were cancelled), as

@@ -52,6 +52,7 @@ from distributed.comm.core import CommClosedError
 from .. import serialization, wire
 from ..errors import GroupBrokenError, WorkerLostError
 from ..wire import Call
+from .frees import Frees
 from .streams import CallStreams
 
 __all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState", "REGISTER_AFTER"]
@@ -59,17 +60,6 @@ __all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState", "REGISTER_AFTER"]
 logger = logging.getLogger(__name__)
 
 PENDING, FINISHED, ERROR, CANCELLED = "pending", "finished", "error", "cancelled"
-
-#: Seconds results dropped by the driver wait before their workers are told, so that the
-#: results of several calls go in one message per worker (as Dask batches its releases):
-#: a tight loop of small calls would otherwise send one more message per rank per call.
-#: Meanwhile the next call written to that worker carries them (:meth:`Owned.free`).
-FREE_DELAY = 0.01
-#: ... for results of at most ``SMALL_RESULT`` bytes, which cost little to keep a while
-#: longer: long enough that a loop of steps of small calls (an RL step on tiny data takes
-#: some 10-30 ms here) frees them with its next step's calls, not with messages of their own.
-SMALL_FREE_DELAY = 0.05
-SMALL_RESULT = 2**20
 
 #: Seconds after which a result the program still holds is registered with the scheduler
 #: even if nothing waited for it through Dask (so Dask's views and tasks see it).
@@ -189,14 +179,10 @@ class Owned:
         # call's results wakes once, not at every rank's reply.
         self._waiters: list[tuple[threading.Event, Any]] = []
         self.streams = streams
-        self._frees: dict[tuple[str, str | None], list[str]] = {}
-        self._frees_lock = threading.Lock()
+        #: results dropped here, on their way to be dropped on their workers.
+        self.frees = Frees(client, streams)
         self._drops: list[str] = []  # released references, for the loop (queue_drop)
         self._drops_lock = threading.Lock()
-        self._urgent: set[tuple[str, str | None]] = set()  # with a large one among them
-        # The frees waiting for a worker go with the next call written to it, if one
-        # comes first: one write, and one wake-up of the worker, for both.
-        streams.lead = self._take_frees
         self._to_register: list[OwnedResult] = []
         self._registering = False
 
@@ -343,7 +329,7 @@ class Owned:
         if self.records.get(rec.key) is rec:
             del self.records[rec.key]
         if not rec.registered:
-            self.free(rec.address, rec.call.worker_id, rec.key, rec.nbytes)
+            self.frees.free(rec.address, rec.call.worker_id, rec.key, rec.nbytes)
 
     async def _register(self) -> None:
         """Tell the scheduler where finished results are (a batch per round trip), once
@@ -429,54 +415,6 @@ class Owned:
         state = client.futures.pop(key, None)
         if state is not None:
             state.cancel()  # OwnedState.cancel: the result is dropped on its worker
-
-    def free(self, address: str, server_id: str | None, key: str, nbytes: int | None = None) -> None:
-        """Drop the result ``key`` (``nbytes``: its size, ``None`` if unknown) on its worker:
-        with the next call written to that worker on the client's loop, or after
-        ``FREE_DELAY`` seconds (``SMALL_FREE_DELAY`` if all dropped meanwhile are small),
-        with the others dropped meanwhile (any thread: a blocking replay settles its
-        results on its own loop)."""
-        target = (address, server_id)
-        large = nbytes is None or nbytes > SMALL_RESULT
-        with self._frees_lock:
-            keys = self._frees.setdefault(target, [])
-            keys.append(key)
-            if large and target not in self._urgent:
-                self._urgent.add(target)
-                delay = FREE_DELAY
-            elif len(keys) == 1:
-                delay = SMALL_FREE_DELAY
-            else:
-                return  # a flush is due already
-        loop = self.client.loop
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:  # a calling thread outside any loop
-            here = None
-        if here is not None and getattr(loop, "asyncio_loop", None) is here:
-            self._flush_later(target, delay)
-        else:
-            loop.add_callback(self._flush_later, target, delay)
-
-    def _flush_later(self, target: tuple[str, str | None], delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self._flush_due, target)
-
-    def _flush_due(self, target: tuple[str, str | None]) -> None:
-        message = self._take_frees(target)
-        if message is not None:  # else a call took them first
-            asyncio.ensure_future(self._post(target, message))
-
-    def _take_frees(self, target: tuple[str, str | None]) -> tuple | None:
-        with self._frees_lock:
-            keys = self._frees.pop(target, None)
-            self._urgent.discard(target)
-        return ("free", 0, keys) if keys else None
-
-    async def _post(self, target: tuple[str, str | None], message: tuple) -> None:
-        try:
-            await self.streams.post(target[0], target[1], message)
-        except OSError:
-            pass  # the worker is gone, and its results with it
 
     async def _tell(self, address: str, handler: str, **kwargs: Any) -> None:
         try:

@@ -1,0 +1,132 @@
+"""Calls that come straight to this worker (the direct path): :class:`DirectCalls`.
+
+A driver sends each call on its call stream to the rank's worker (``daskwg.plugin.stream``),
+or as a ``daskwg_call`` request (how Dask actors are reached); either way the call is
+unpacked here, its ``DataProtoFuture`` inputs start to arrive (``daskwg.plugin.inputs``),
+it takes its place in the driver's order on the host thread
+(:meth:`daskwg.plugin.host.HostPlugin.enqueue`), and its outcome goes back: the result
+(a blocking call's, or a small kept one), or the error shaped for the driver. A
+non-blocking call's result stays here under its key (``daskwg.plugin.results``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+from distributed.protocol import to_serialize
+
+from .. import serialization
+from ..errors import GroupBrokenError
+from ..wire import Call
+from .exceptions import picklable, unpickling_error
+
+__all__ = ["DirectCalls"]
+
+
+class DirectCalls:
+    """The direct path's calls on one worker.
+
+    Args:
+        host: the worker's ``HostPlugin`` (its sequencer, call table, inputs and result store).
+    """
+
+    def __init__(self, host: Any):
+        self.host = host
+
+    async def handle_call(
+        self,
+        call: tuple,
+        payload: dict,
+        key: str | None = None,
+        refs: dict | None = None,
+        inline: int = 0,
+        relay_wait: float = 10.0,
+    ) -> dict:
+        """A call as a Dask request (``daskwg_call``): :meth:`run` it and reply with
+        ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
+        ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
+        send calls on call streams (``daskwg_stream``); this serves what else sends one."""
+        status, nbytes, error, result = await self.run(
+            Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
+        )
+        if status != "OK":
+            return {"status": status, "exception": to_serialize(error)}
+        reply: dict = {"status": "OK", "nbytes": nbytes}
+        if result is not None:
+            reply["result"] = serialization.message_part(result)
+        return reply
+
+    async def run(
+        self,
+        call: Call,
+        payload: serialization.Packed,
+        refs: Any,
+        key: str | None = None,
+        inline: int = 0,
+        relay_wait: float = 10.0,
+    ) -> tuple:
+        """Run one call that came straight to this worker (the direct path).
+
+        Args:
+            call: the call.
+            payload: its arguments, pickled (:func:`daskwg.serialization.dumps`).
+            refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
+                message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
+            key: a non-blocking call's: its result stays here under ``key``.
+            inline: bytes up to which a kept result is returned as well.
+            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+        Returns:
+            ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
+            ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
+            for the driver); ``result`` the snapshot to send back (a blocking call's, or a
+            kept one of at most ``inline`` bytes holding no tensors or arrays), else ``None``.
+        """
+        host = self.host
+        try:
+            args = serialization.loads(payload)
+            del payload
+            if refs is not None:
+                refs = pickle.loads(refs) if isinstance(refs, bytes) else serialization.unpack(refs)
+            lazy = None if refs is None else host._inputs.prefetch(refs, relay_wait)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
+            # The call never reaches the host: give up its place in the order.
+            host._sequencer.skip(call.session, call.seq)
+            error = unpickling_error(call, host.address, exc)
+            if key is not None:
+                host.results.fail(key, error)
+            return "error", None, error, None
+        if key is not None:
+            host.results.expect(key, call.session)
+        box = [args]
+        del args
+        cfut = host.enqueue(call, box, lazy, boxed=True)
+        del box, lazy
+        try:
+            result = await asyncio.wrap_future(cfut)
+        except asyncio.CancelledError:
+            if not cfut.cancelled():
+                # This worker is closing (retired, restarted, scaled down, lost its
+                # scheduler): the driver sees the connection close and reports the
+                # worker lost, never a bare CancelledError.
+                raise
+            if key is not None:  # its future was cancelled before it ran
+                host.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
+            return "cancelled", None, None, None
+        except BaseException as exc:  # noqa: BLE001
+            error = picklable(exc)
+            if key is not None:
+                host.results.fail(key, error)
+            if host.calls.was_cancelled(call):
+                host.calls.forget_cancelled(call)
+                return "cancelled", None, None, None
+            return "error", None, error, None
+        host.calls.forget_cancelled(call)
+        if not isinstance(result, serialization.Packed):
+            result = serialization.dumps(result)  # a life-cycle call's (None, True)
+        if key is None:
+            return "OK", result.nbytes, None, result
+        host.results.put(key, result)
+        small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
+        return "OK", result.nbytes, None, result if small else None
