@@ -45,17 +45,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from distributed import Client, Future
-from distributed.client import FutureState
+from distributed import Client
 from distributed.comm.core import CommClosedError
 
 from .. import serialization, wire
 from ..errors import GroupBrokenError, WorkerLostError
 from ..wire import Call
+from .call_future import CallFuture, OwnedState
 from .frees import Frees
 from .streams import CallStreams
 
-__all__ = ["CallFuture", "Owned", "OwnedResult", "OwnedState", "REGISTER_AFTER"]
+__all__ = ["Owned", "OwnedResult", "REGISTER_AFTER"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,67 +97,6 @@ class OwnedResult:
     wanted: bool = False
     registering: bool = False
     registered: bool = False
-
-
-class OwnedState(FutureState):
-    """The Dask state of a :class:`CallFuture`'s key: ``finished`` with the call's reply
-    (its Dask event waits for the scheduler to know the key, which waiting on it asks
-    for), and it tells :class:`Owned` when Dask cancels it (``future.cancel()``,
-    ``client.cancel``, a restart) or releases it (the last future of the key was dropped)."""
-
-    __slots__ = ("owned", "_settled")
-
-    def __init__(self, key: str, owned: Owned):
-        super().__init__(key)
-        self.owned = owned
-        self._settled = asyncio.Event()
-
-    def done(self) -> bool:
-        return self.status != "pending"
-
-    async def wait(self, timeout: float | None = None) -> None:
-        # Dask waits for it (wait, as_completed, gather): the scheduler must know it first.
-        self.owned.demand(self.key)
-        await super().wait(timeout)
-
-    async def settled(self) -> None:
-        """Until the call's reply came (no registration needed)."""
-        await self._settled.wait()
-
-    def cancel(self, reason: Any = None, msg: Any = None) -> None:
-        super().cancel(reason, msg)
-        self._settled.set()
-        # Dask's _release_key calls this once the key's reference count is gone; any other
-        # caller (Client._cancel, the scheduler's cancelled-keys) leaves it in place.
-        self.owned.on_cancel(self.key, released=self.key not in self.owned.client.refcount)
-
-
-class CallFuture(Future):
-    """A ``distributed.Future`` of a non-blocking call's result, which stays on its rank's
-    worker. Everything a Dask future does works on it; :meth:`result` fetches the value from
-    that worker directly, never through the scheduler."""
-
-    def release(self) -> None:
-        """Drop this reference (Dask's ``Future.release``, which ``__del__`` calls). The last
-        one of a result the scheduler never heard of is released in the driver alone:
-        telling the scheduler, as Dask does, would cost it one message per rank per call
-        for keys it does not know."""
-        state = self._state
-        if not isinstance(state, OwnedState):
-            super().release()
-            return
-        self._verify_initialized()
-        if not self._cleared and self.client.generation == self._generation:
-            self._cleared = True
-            state.owned.queue_drop(self.key)
-
-    async def _result(self, raiseit: bool = True) -> Any:
-        state = self._state
-        if isinstance(state, OwnedState):
-            await state.settled()
-            if state.status == "finished" and self.key in state.owned.records:
-                return (await state.owned.fetch([self.key], state.owned.streams))[0]
-        return await super()._result(raiseit)
 
 
 class Owned:

@@ -26,10 +26,10 @@ from ..config import Settings
 from ..deadlines import Limit
 from ..errors import GroupBrokenError
 from ..wire import Call, Slot
+from .call_future import CallFuture
 from .driver import Driver, TaskCall
 from .failures import TRANSFER_ERRORS, transfer_error
 from .group_transport import pack_arguments
-from .owned import CallFuture
 from .streams import CallStreams
 from .submit import OPENING_WAIT
 from .waiting import timeout_error

@@ -22,9 +22,9 @@ from typing import Any
 from .. import serialization, wire
 from ..config import Settings
 from ..wire import Call
+from .call_future import CallFuture
 from .driver import GroupRanks, TaskCall
 from .failures import TRANSFER_ERRORS, FailureState, transfer_error
-from .owned import CallFuture
 
 __all__ = ["SubmitPath"]
 
