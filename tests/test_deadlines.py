@@ -841,6 +841,16 @@ def test_a_detached_group_is_not_released_when_dropped(hclient):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.timeout(60)
+def test_a_worker_process_start_is_read_to_the_clock_tick():
+    # What tells a restarted worker's process from its predecessor's removal: the kernel's
+    # boot time comes in whole seconds, so psutil's create_time ran 0.8 s early here.
+    code = "import time; t = time.time(); from daskwg.pool import process_started; print(t - process_started())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
+    since_start = float(out.stdout)  # the interpreter's start-up, plus up to one clock tick
+    assert -0.02 < since_start < 0.5, since_start
+
+
 def test_a_late_removal_event_of_a_restarted_worker_spares_groups_on_its_new_process(hclient):
     # The scheduler's remove-worker event for the old process can reach the driver after
     # a group was built on the new process at the same address (restart_workers returns
