@@ -12,7 +12,10 @@ non-blocking call's result stays here under its key (``daskwg.plugin.results``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
 from typing import Any
 
 from distributed.protocol import to_serialize
@@ -67,7 +70,31 @@ class DirectCalls:
         inline: int = 0,
         relay_wait: float = 10.0,
     ) -> tuple:
-        """Run one call that came straight to this worker (the direct path).
+        """:meth:`start` one call and wait for its outcome, on the worker's event loop:
+        ``(status, nbytes, error, result)`` as :meth:`start` gives it."""
+        loop = asyncio.get_running_loop()
+        outcome = loop.create_future()
+
+        def reply(result: tuple) -> None:
+            loop.call_soon_threadsafe(_resolve, outcome, result)
+
+        self.start(call, payload, refs, key, inline, relay_wait, reply)
+        return await outcome
+
+    def start(
+        self,
+        call: Call,
+        payload: serialization.Packed,
+        refs: Any,
+        key: str | None,
+        inline: int,
+        relay_wait: float,
+        reply: Callable[[tuple], None],
+    ) -> None:
+        """Start one call that came straight to this worker, on the worker's event loop;
+        ``reply(outcome)`` gets its outcome on the host thread as the call returns (so the
+        reply can go out from there, without a wake-up of the loop), or on the loop when the
+        call never reaches the host thread (it did not unpickle, it was refused or cancelled).
 
         Args:
             call: the call.
@@ -77,11 +104,11 @@ class DirectCalls:
             key: a non-blocking call's: its result stays here under ``key``.
             inline: bytes up to which a kept result is returned as well.
             relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
-        Returns:
-            ``(status, nbytes, error, result)``: ``status`` ``"OK"``, ``"error"`` or
-            ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the exception (shaped
-            for the driver); ``result`` the snapshot to send back (a blocking call's, or a
-            kept one of at most ``inline`` bytes holding no tensors or arrays), else ``None``.
+            reply: called once with ``(status, nbytes, error, result)``: ``status`` ``"OK"``,
+                ``"error"`` or ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the
+                exception (shaped for the driver); ``result`` the snapshot to send back (a
+                blocking call's, or a kept one of at most ``inline`` bytes holding no tensors
+                or arrays), else ``None``.
         """
         host = self.host
         try:
@@ -96,37 +123,51 @@ class DirectCalls:
             error = unpickling_error(call, host.address, exc)
             if key is not None:
                 host.results.fail(key, error)
-            return "error", None, error, None
+            reply(("error", None, error, None))
+            return
         if key is not None:
             host.results.expect(key, call.session)
         box = [args]
         del args
         cfut = host.enqueue(call, box, lazy, boxed=True)
         del box, lazy
-        try:
-            result = await asyncio.wrap_future(cfut)
-        except asyncio.CancelledError:
-            if not cfut.cancelled():
-                # This worker is closing (retired, restarted, scaled down, lost its
-                # scheduler): the driver sees the connection close and reports the
-                # worker lost, never a bare CancelledError.
-                raise
+        cfut.add_done_callback(functools.partial(self._ended, call, key, inline, reply))
+
+    def _ended(
+        self, call: Call, key: str | None, inline: int, reply: Callable, cfut: ConcurrentFuture
+    ) -> None:
+        # The call's future is done: on the host thread as the call returns (the sequencer
+        # sets it there), on the loop if it was refused or cancelled before it ran.
+        host = self.host
+        if cfut.cancelled():
             if key is not None:  # its future was cancelled before it ran
                 host.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
-            return "cancelled", None, None, None
-        except BaseException as exc:  # noqa: BLE001
+            reply(("cancelled", None, None, None))
+            return
+        exc = cfut.exception()
+        if exc is not None:
             error = picklable(exc)
+            del exc
             if key is not None:
                 host.results.fail(key, error)
             if host.calls.was_cancelled(call):
                 host.calls.forget_cancelled(call)
-                return "cancelled", None, None, None
-            return "error", None, error, None
+                reply(("cancelled", None, None, None))
+            else:
+                reply(("error", None, error, None))
+            return
         host.calls.forget_cancelled(call)
+        result = cfut.result()
         if not isinstance(result, serialization.Packed):
             result = serialization.dumps(result)  # a life-cycle call's (None, True)
         if key is None:
-            return "OK", result.nbytes, None, result
+            reply(("OK", result.nbytes, None, result))
+            return
         host.results.put(key, result)
         small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
-        return "OK", result.nbytes, None, result if small else None
+        reply(("OK", result.nbytes, None, result if small else None))
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

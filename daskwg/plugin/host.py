@@ -181,7 +181,7 @@ class HostPlugin(WorkerPlugin):
     async def _handle_stream(self, comm: Any) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
         return await stream.serve(
-            comm, self.direct.run, self.results.free, self._plans.run, self.results.packed
+            comm, self.direct.start, self.results.free, self._plans.start, self.results.packed
         )
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:

@@ -102,7 +102,9 @@ class Inputs:
             for kind, values in refs
         ]
 
-    def _start(self, kind: str, ref: ResultRef, relay_wait: float) -> _Fetched:
+    def _start(self, kind: str, ref: ResultRef, relay_wait: float) -> _Fetched | _Local:
+        if ref.address == self.worker.address and ref.via is None:
+            return _Local(kind, ref, relay_wait)  # read on the host thread when the call runs
         fetched = _Fetched()
         coro = self.info(ref) if kind == wire.ROWS else self.value(ref, relay_wait)
         asyncio.ensure_future(coro).add_done_callback(fetched.settle)
@@ -197,7 +199,7 @@ class Inputs:
         if lazy.kind == wire.ROWS:
             current[1] = max(current[1], padding_of(lazy.spec, [info.rows for info in fetched]))
             return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get)
-        if len(fetched) == 1 and not isinstance(values[0], (_Fetched, ResultRef)):
+        if len(fetched) == 1 and not isinstance(values[0], (_Fetched, _Local, ResultRef)):
             # Resolved by Dask (the task path): a part produced on this worker arrives as
             # the very object Dask keeps for its future, which a method that changes its
             # argument in place would change for every later reader.
@@ -212,12 +214,38 @@ class Inputs:
         try:
             if isinstance(value, _Fetched):
                 return value.take()
+            if isinstance(value, _Local):
+                return self._local(value)
             if isinstance(value, ResultRef):  # a task-path call: fetched now
                 coro = self.info(value) if kind == wire.ROWS else self.value(value)
                 return sync(self.worker.loop, lambda: coro)
         except WorkerGroupError as exc:
             raise _FetchFailed(exc) from None
         return value
+
+    def _local(self, local: _Local) -> Any:
+        # A result kept on this worker: the call that makes it ran earlier on this host
+        # thread when the same driver sent it first (a chain of calls), so it is read here
+        # with no task on the loop; anything else (pending, in Dask's data) the loop fetches.
+        ref = local.ref
+        found, stored = self.store.kept(ref.key)
+        if not found:
+            coro = self.info(ref) if local.kind == wire.ROWS else self.value(ref, local.relay_wait)
+            return sync(self.worker.loop, lambda: coro)
+        if isinstance(stored, BaseException):
+            raise stored
+        if local.kind == wire.ROWS:
+            return rows.part_info_of(stored, ref.key, ref.address)
+        return _own_copy(stored)
+
+
+class _Local:
+    """A result kept on this worker that a call reads: taken on the host thread."""
+
+    __slots__ = ("kind", "ref", "relay_wait")
+
+    def __init__(self, kind: str, ref: ResultRef, relay_wait: float) -> None:
+        self.kind, self.ref, self.relay_wait = kind, ref, relay_wait
 
 
 class _FetchFailed(Exception):

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from .. import foreign, serialization
-from ..errors import RankError
+from ..errors import GroupBrokenError, RankError
 from ..futures import rows_of
 from ..wire import Call, Slot
 from .exceptions import picklable, unpickling_error
@@ -41,8 +42,24 @@ class PlanRunner:
         self.host = host
 
     async def run(self, entries: list[tuple], payload: serialization.Packed, inline: int) -> list[tuple]:
-        """Run one replay's calls on this worker; returns per call ``(status, nbytes, error,
-        result)`` as ``HostPlugin.run`` does (``result``: the snapshot to send back, or ``None``).
+        """:meth:`start` one replay's calls on this worker and wait for their outcomes, on the
+        worker's event loop."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def reply(outcomes: list[tuple]) -> None:
+            loop.call_soon_threadsafe(_resolve, done, outcomes)
+
+        self.start(entries, payload, inline, reply)
+        return await done
+
+    def start(
+        self, entries: list[tuple], payload: serialization.Packed, inline: int, reply: Callable
+    ) -> None:
+        """Start one replay's calls on this worker (on its event loop); ``reply(outcomes)``
+        gets, per call, ``(status, nbytes, error, result)`` as ``HostPlugin.start`` gives it
+        (``result``: the snapshot to send back, or ``None``), on the host thread once the last
+        call ran (on the loop if they never reach it).
 
         Args:
             entries: per call ``(call fields, key, result, uses, stop)``: ``result`` ``"keep"``
@@ -52,6 +69,7 @@ class PlanRunner:
             payload: the calls' ``(args, kwargs)``, pickled together, in order.
             inline: bytes up to which a kept result (a step's output) comes back with the
                 reply as well, tensors included.
+            reply: gets the outcomes.
         """
         host = self.host
         calls = [Call(*e[0]) for e in entries]
@@ -61,7 +79,8 @@ class PlanRunner:
             for call in calls:
                 host._sequencer.skip(call.session, call.seq)
             error = unpickling_error(calls[0], host.address, exc)
-            return [("error", None, error, None)] * len(calls)
+            reply([("error", None, error, None)] * len(calls))
+            return
         del payload
         for call, (_, key, result, *_rest) in zip(calls, entries):
             if result == "keep":
@@ -78,11 +97,18 @@ class PlanRunner:
             span=len(calls),
         )
         del payloads
-        try:
-            outcomes = await asyncio.wrap_future(cfut)
-        except BaseException as exc:  # noqa: BLE001 - refused: a departed driver, a number twice
+        cfut.add_done_callback(functools.partial(self._ended, first, entries, inline, reply))
+
+    def _ended(self, first: Call, entries: list[tuple], inline: int, reply: Callable, cfut: Any) -> None:
+        # On the host thread as the last call returns; on the loop if refused at once.
+        host = self.host
+        exc = None if cfut.cancelled() else cfut.exception()
+        if cfut.cancelled() or exc is not None:  # refused: a departed driver, a number twice
             host.calls.dequeue(first)
-            outcomes = [(False, picklable(exc))] * len(calls)
+            error = picklable(exc if exc is not None else GroupBrokenError("the step's calls were cancelled"))
+            outcomes = [(False, error)] * len(entries)
+        else:
+            outcomes = cfut.result()
         replies = []
         for (_, key, result, *_rest), (ok, value) in zip(entries, outcomes):
             if not ok:
@@ -99,7 +125,7 @@ class PlanRunner:
                 replies.append(("OK", value.nbytes, None, value))
             else:  # a result nobody reads again: only that the call ended goes back
                 replies.append(("OK", 0, None, None))
-        return replies
+        reply(replies)
 
     def _execute(self, calls: list[Call], entries: list[tuple], payloads: list) -> list[tuple]:
         """On the host thread: every call in turn; per call ``(ok, snapshot or error)``."""
@@ -200,3 +226,8 @@ def _rows(value: Any) -> int | None:
         return rows_of(value)
     except TypeError:
         return None
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -16,13 +16,17 @@ let go of before the scheduler knew them (as does a ``free`` message on a call s
 Drivers fetch with a ``fetch`` message on their call stream (:meth:`ResultStore.packed`),
 which saves Dask's message framing.
 
-Threads: everything here runs on the worker's event loop.
+Threads: everything here runs on the worker's event loop, except :meth:`ResultStore.put`
+and :meth:`ResultStore.fail`, which the host thread calls as a call ends (its reply goes out
+from there, without a wake-up of the loop); a lock guards the tables both touch, and a fetch
+waiting for the result is woken on its loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +70,8 @@ class ResultStore:
         self._failed: dict[str, BaseException] = {}
         self._dropped: set[str] = set()
         self._arrived: asyncio.Event | None = None
+        # put/fail (host thread) against wait/free/publish (the loop).
+        self._lock = threading.Lock()
         # Keys by driver session, so that a departed driver's results go with its ranks
         # (pruned of the keys released meanwhile as it grows).
         self._by_session: dict[str, set[str]] = {}
@@ -86,8 +92,20 @@ class ResultStore:
 
     def get(self, key: str) -> Any:
         """The stored value of ``key`` (``KeyError`` if it is not here)."""
-        value = self._values.get(key)
+        with self._lock:
+            value = self._values.get(key)
         return self.worker.data[key] if value is None else value
+
+    def kept(self, key: str) -> tuple[bool, Any]:
+        """From any thread: ``(True, stored value)`` of a result here that Dask does not hold
+        yet, ``(True, error)`` (an exception) of one whose call failed, or ``(False, None)``
+        (it is pending, released, or in Dask's data: ask :meth:`wait` on the loop)."""
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                return True, value
+            failed = self._failed.get(key)
+        return (True, failed) if failed is not None else (False, None)
 
     def __contains__(self, key: str) -> bool:
         return key in self._values or key in self.worker.data
@@ -96,7 +114,8 @@ class ResultStore:
 
     def expect(self, key: str, session: str) -> None:
         """The call that makes ``key`` arrived (from driver ``session``): fetches wait for it from now."""
-        self._pending[key] = None
+        with self._lock:
+            self._pending[key] = None
         keys = self._by_session.setdefault(session, set())
         keys.add(key)
         if len(keys) > _PRUNE_ABOVE and len(keys) % _PRUNE_ABOVE == 1:
@@ -108,38 +127,39 @@ class ResultStore:
             self._arrived = None
 
     def put(self, key: str, packed: serialization.Packed) -> None:
-        """Store the call's result (its snapshot) under ``key``."""
-        if key in self._dropped:
-            self._dropped.discard(key)
-        else:
-            self._values[key] = packed
-        self._settle(key)
+        """Store the call's result (its snapshot) under ``key`` (any thread)."""
+        with self._lock:
+            if key in self._dropped:
+                self._dropped.discard(key)
+            else:
+                self._values[key] = packed
+            waiter = self._pending.pop(key, None)
+        _wake(waiter)
 
     def fail(self, key: str, exc: BaseException) -> None:
-        """The call that makes ``key`` failed with ``exc``: fetches raise it."""
-        if key in self._dropped:
-            self._dropped.discard(key)
-        else:
-            self._failed[key] = picklable(exc)
-        self._settle(key)
-
-    def _settle(self, key: str) -> None:
-        waiter = self._pending.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        """The call that makes ``key`` failed with ``exc``: fetches raise it (any thread)."""
+        exc = picklable(exc)
+        with self._lock:
+            if key in self._dropped:
+                self._dropped.discard(key)
+            else:
+                self._failed[key] = exc
+            waiter = self._pending.pop(key, None)
+        _wake(waiter)
 
     def free(self, keys: list[str]) -> None:
         """Drop these results (the driver let go of them), or drop them as they come."""
         for hook in self.on_free:
             hook(keys)
         published = []
-        for key in keys:
-            if self._values.pop(key, None) is not None or self._failed.pop(key, None) is not None:
-                continue
-            if key in self._pending:
-                self._dropped.add(key)
-            elif key in self.worker.data:
-                published.append(key)
+        with self._lock:
+            for key in keys:
+                if self._values.pop(key, None) is not None or self._failed.pop(key, None) is not None:
+                    continue
+                if key in self._pending:
+                    self._dropped.add(key)
+                elif key in self.worker.data:
+                    published.append(key)
         if published:
             self.worker.handle_stimulus(
                 FreeKeysEvent(keys=published, stimulus_id=f"daskwg-free-{time.time()}")
@@ -154,7 +174,8 @@ class ResultStore:
         stores data, before the driver tells the scheduler where they are (from then on Dask's
         memory accounting, spilling, ``get_data`` and release apply to them). Returns
         ``{key: bytes}`` of those that are here."""
-        values = {k: self._values.pop(k) for k in keys if k in self._values}
+        with self._lock:
+            values = {k: self._values.pop(k) for k in keys if k in self._values}
         if values:
             self.worker.update_data(values, stimulus_id=f"daskwg-publish-{time.time()}")
         return {k: v.nbytes for k, v in values.items()}
@@ -171,15 +192,21 @@ class ResultStore:
         """
         key = ref.key
         while True:
-            if key in self:
-                return self.get(key)
-            if key in self._pending:
-                waiter = self._pending[key]
-                if waiter is None:
-                    waiter = self._pending[key] = asyncio.get_running_loop().create_future()
+            with self._lock:
+                value = self._values.get(key)
+                waiter = None
+                if value is None and key in self._pending:
+                    waiter = self._pending[key]
+                    if waiter is None:
+                        waiter = self._pending[key] = asyncio.get_running_loop().create_future()
+                failed = self._failed.get(key)
+            if value is not None:
+                return value
+            if key in self.worker.data:
+                return self.worker.data[key]
+            if waiter is not None:
                 await asyncio.shield(waiter)
                 continue
-            failed = self._failed.get(key)
             if failed is not None:
                 raise failed
             if self._seen(ref.session, ref.seq):
@@ -230,3 +257,17 @@ class ResultStore:
     def _handle_free(self, keys: list[str]) -> None:
         """``daskwg_free``: :meth:`free`."""
         self.free(list(keys))
+
+
+def _wake(waiter: asyncio.Future | None) -> None:
+    """Resolve a fetch's waiter on its own loop (from the host thread or the loop)."""
+    if waiter is not None:
+        try:
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+        except RuntimeError:  # its loop is closed: the worker is closing
+            pass
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

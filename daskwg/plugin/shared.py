@@ -220,11 +220,15 @@ class SharedResults:
     def release(self, keys: list[str]) -> None:
         """These results are gone: their files wait for the next results (consumers'
         mappings stay valid: a file is rewritten only once none maps it)."""
+        if not self._segments:
+            return  # the common case: none of this worker's results was shared
+        pooled = len(self._pool)
         for key in keys:
             segment = self._segments.pop(key, None)
             if segment is not None:
                 self._pool.append(segment.file)
-        self._trim()
+        if len(self._pool) > pooled:
+            self._trim()
 
     def close(self) -> None:
         """Close every file (the worker is closing)."""
@@ -330,6 +334,7 @@ class SharedResults:
         """Release the files of results that left the store another way (published to Dask,
         then released by it: Dask frees those keys itself), and trim the pool."""
         self.release([k for k in self._segments if k not in self.store])
+        self._trim()
 
     async def _sweep_while_open(self) -> None:
         # Until no result holds a file and every pooled one is unused and within the limit.

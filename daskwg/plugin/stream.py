@@ -32,17 +32,17 @@ logger = logging.getLogger(__name__)
 
 async def serve(
     comm: Any,
-    run: Callable[..., Awaitable[tuple]],
+    start: Callable[..., None],
     free: Callable[[list], None],
-    run_plan: Callable[..., Awaitable[list]],
+    start_plan: Callable[..., None],
     fetch: Callable[..., Awaitable[serialization.Packed]],
 ) -> Any:
     """Serve one call stream until the driver closes it.
 
     Args:
         comm: the stream's comm (the handler's first argument).
-        run: the host's ``run(call, payload, refs, key, inline, relay_wait)``.
-        run_plan: ``PlanRunner.run(entries, payload, inline)`` (a step plan's replay,
+        start: the host's ``start(call, payload, refs, key, inline, relay_wait, reply)``.
+        start_plan: ``PlanRunner.start(entries, payload, inline, reply)`` (a step plan's replay,
             :func:`daskwg.wire.plan_message`).
         free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
             of them before the scheduler heard of them).
@@ -59,9 +59,9 @@ async def serve(
         except OSError:  # CommClosedError: the driver closed it, or went away
             break
         if message[0] == "call":
-            asyncio.ensure_future(_one(frames, lock, message, buffers, run))
+            _one(frames, lock, message, buffers, start)
         elif message[0] == "plan":
-            asyncio.ensure_future(_plan(frames, lock, message, buffers, run_plan))
+            _plan(frames, lock, message, buffers, start_plan)
         elif message[0] == "fetch":
             asyncio.ensure_future(_fetch(frames, lock, message, fetch))
         elif message[0] == "free":
@@ -71,62 +71,69 @@ async def serve(
     return Status.dont_reply
 
 
-async def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, run: Any) -> None:
+def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, start: Any) -> None:
     _, cid, call, header, key, inline, relay_wait, refs = message
-    try:
-        status, nbytes, error, result = await run(
-            Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait
+    loop = asyncio.get_running_loop()
+
+    def reply(outcome: tuple) -> None:
+        status, nbytes, error, result = outcome
+        message = reply_message(
+            cid,
+            status,
+            nbytes,
+            None if error is None else _pickled(error),
+            None if result is None else result.header,
         )
-    except asyncio.CancelledError:
-        return  # the worker is closing: the driver sees the stream close
-    except Exception as exc:  # noqa: BLE001 - run answers its own errors; this is a defect
+        out = [] if result is None else result.buffers
+        if not frames.write_now(message, out):
+            loop.call_soon_threadsafe(_write_later, frames, lock, message, out)
+
+    try:
+        start(Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait, reply)
+    except Exception as exc:  # noqa: BLE001 - start answers its own errors; this is a defect
         logger.exception("daskwg call stream: call %s failed outside the host", call)
-        status, nbytes, error, result = "error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None
-    del buffers
-    reply = reply_message(
-        cid,
-        status,
-        nbytes,
-        None if error is None else _pickled(error),
-        None if result is None else result.header,
-    )
+        reply(("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None))
+
+
+def _write_later(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list) -> None:
+    asyncio.ensure_future(_write(frames, lock, message, buffers))
+
+
+async def _write(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list) -> None:
     async with lock:
         try:
-            await frames.write(reply, [] if result is None else result.buffers)
+            await frames.write(message, buffers)
         except OSError:
             pass  # the driver is gone; kept results stay until it is released
 
 
-async def _plan(
-    frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, run_plan: Any
-) -> None:
+def _plan(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, start_plan: Any) -> None:
     _, cid, entries, header, inline = message
-    try:
-        outcomes = await run_plan(entries, serialization.Packed(header, buffers), inline)
-    except asyncio.CancelledError:
-        return  # the worker is closing: the driver sees the stream close
-    except Exception as exc:  # noqa: BLE001 - run_plan answers its own errors; this is a defect
-        logger.exception("daskwg call stream: a step plan failed outside the host")
-        outcomes = [("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None)] * len(entries)
-    del buffers
-    records, out_buffers = [], []
-    for status, nbytes, error, result in outcomes:
-        records.append(
-            (
-                status,
-                nbytes,
-                None if error is None else _pickled(error),
-                None if result is None else result.header,
-                0 if result is None else len(result.buffers),
+    loop = asyncio.get_running_loop()
+
+    def reply(outcomes: list[tuple]) -> None:
+        records, out_buffers = [], []
+        for status, nbytes, error, result in outcomes:
+            records.append(
+                (
+                    status,
+                    nbytes,
+                    None if error is None else _pickled(error),
+                    None if result is None else result.header,
+                    0 if result is None else len(result.buffers),
+                )
             )
-        )
-        if result is not None:
-            out_buffers.extend(result.buffers)
-    async with lock:
-        try:
-            await frames.write(reply_message(cid, "plan", None, None, pickle.dumps(records)), out_buffers)
-        except OSError:
-            pass  # the driver is gone; kept results stay until it is released
+            if result is not None:
+                out_buffers.extend(result.buffers)
+        message = reply_message(cid, "plan", None, None, pickle.dumps(records))
+        if not frames.write_now(message, out_buffers):
+            loop.call_soon_threadsafe(_write_later, frames, lock, message, out_buffers)
+
+    try:
+        start_plan(entries, serialization.Packed(header, buffers), inline, reply)
+    except Exception as exc:  # noqa: BLE001 - start_plan answers its own errors; this is a defect
+        logger.exception("daskwg call stream: a step plan failed outside the host")
+        reply([("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None)] * len(entries))
 
 
 async def _fetch(frames: FrameStream, lock: asyncio.Lock, message: tuple, fetch: Any) -> None:
