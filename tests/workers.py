@@ -92,3 +92,36 @@ class CollectiveWorker(Worker):
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class PathWorker(Worker):
+    """Calls that take a while on the host thread, chained by their futures (tests/test_call_path.py)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def nap_async(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make(self, data: DataProto) -> DataProto:
+        time.sleep(data.meta_info.get("seconds", 0.0))
+        return DataProto.from_dict({"x": data.batch["x"] + 1})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def double(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"x": data.batch["x"] * 2})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def double_now(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"x": data.batch["x"] * 2})
+
+
+def block_event_loop(seconds: float) -> float:
+    """Hold the calling worker's event loop (``client.run`` runs a plain function on it)."""
+    time.sleep(seconds)
+    return seconds

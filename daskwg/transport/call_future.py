@@ -68,7 +68,7 @@ class CallFuture(Future):
         self._verify_initialized()
         if not self._cleared and self.client.generation == self._generation:
             self._cleared = True
-            state.owned.queue_drop(self.key)
+            state.owned.drop(self.key)
 
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state

@@ -47,6 +47,7 @@ class Frees:
         self._frees: dict[tuple[str, str | None], list[str]] = {}
         self._lock = threading.Lock()
         self._urgent: set[tuple[str, str | None]] = set()  # with a large one among them
+        self._timed: set[tuple[str, str | None]] = set()  # with a flush due
         # The frees waiting for a worker go with the next call written to it, if one
         # comes first: one write, and one wake-up of the worker, for both.
         streams.lead = self.take
@@ -65,10 +66,13 @@ class Frees:
             if large and target not in self._urgent:
                 self._urgent.add(target)
                 delay = FREE_DELAY
-            elif len(keys) == 1:
+            elif target not in self._timed:
+                # One flush due per worker at a time: the calls written to it meanwhile
+                # take the keys (as their lead), and the flush sends what is left, if any.
                 delay = SMALL_FREE_DELAY
             else:
                 return  # a flush is due already
+            self._timed.add(target)
         loop = self.client.loop
         try:
             here = asyncio.get_running_loop()
@@ -83,6 +87,8 @@ class Frees:
         asyncio.get_running_loop().call_later(delay, self._flush_due, target)
 
     def _flush_due(self, target: tuple[str, str | None]) -> None:
+        with self._lock:
+            self._timed.discard(target)
         message = self.take(target)
         if message is not None:  # else a call took them first
             asyncio.ensure_future(self._post(target, message))

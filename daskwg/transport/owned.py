@@ -27,20 +27,26 @@ Dask sees these futures as its own:
 
 Values come straight from the worker holding them (a ``fetch`` message on the reader's
 call stream to it), never through the scheduler: :meth:`Owned.fetch` (and
-:meth:`CallFuture.result`).
+:meth:`CallFuture.result`); those that came back with their replies are read in the
+calling thread (:meth:`Owned.fetch_inline`).
 
 Threads: the calling threads create futures and wait; the client's event loop handles the
-replies, registrations, cancellations and releases. :class:`OwnedResult` fields change only
-on the loop; waiters read them under :attr:`Owned.cond`.
+replies, registrations and cancellations. The last reference to a result that came back and
+that nothing asked Dask about is released on the thread that drops it (:meth:`Owned.drop`);
+other releases go to the loop. :class:`OwnedResult` fields change on the loop, and on a
+dropping thread under :attr:`Owned.cond`, which the loop holds while it settles a result or
+decides on its registration; waiters read them under it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +70,8 @@ PENDING, FINISHED, ERROR, CANCELLED = "pending", "finished", "error", "cancelled
 #: Seconds after which a result the program still holds is registered with the scheduler
 #: even if nothing waited for it through Dask (so Dask's views and tasks see it).
 REGISTER_AFTER = 0.5
+#: ... registered at most this many seconds later (the results finished within it share a timer).
+REGISTER_SLACK = 0.05
 
 
 @dataclass(eq=False)
@@ -123,6 +131,7 @@ class Owned:
         self._drops: list[str] = []  # released references, for the loop (queue_drop)
         self._drops_lock = threading.Lock()
         self._to_register: list[OwnedResult] = []
+        self._young: collections.deque[tuple[float, str]] = collections.deque()  # (due, key)
         self._registering = False
 
     # ---- creating (calling thread) ---------------------------------------------------
@@ -165,13 +174,16 @@ class Owned:
             if rec is not None:
                 self._forget(rec)  # cancelled meanwhile: the result is nobody's
             return
-        self._settle(rec, FINISHED, nbytes=nbytes, inline=inline)
-        if not self._alive(rec):
-            self._forget(rec)
-        elif rec.wanted:
-            self._queue_registration(rec)
-        else:
-            self.client.loop.call_later(REGISTER_AFTER, self._register_if_alive, key)
+        with self.cond:  # against drop() on a calling thread
+            self._settle(rec, FINISHED, nbytes=nbytes, inline=inline)
+            if not self._alive(rec):
+                self._forget(rec)
+            elif rec.wanted:
+                self._queue_registration(rec)
+            else:
+                self._young.append((time.monotonic() + REGISTER_AFTER, key))
+                if len(self._young) == 1:
+                    asyncio.get_running_loop().call_later(REGISTER_AFTER, self._register_due)
 
     def failed(self, key: str, error: BaseException) -> None:
         """The call of ``key`` failed with ``error`` (a daskwg error)."""
@@ -180,11 +192,13 @@ class Owned:
             if rec is not None and rec.status == CANCELLED:
                 self._forget(rec)
             return
-        self._settle(rec, ERROR, error=error)
-        if self._alive(rec):
+        with self.cond:  # against drop() on a calling thread
+            self._settle(rec, ERROR, error=error)
+            alive = self._alive(rec)
+            if not alive:
+                self._forget(rec)
+        if alive:
             rec.state.set_error(error, None)
-        else:
-            self._forget(rec)
 
     def cancelled(self, key: str) -> None:
         """The rank's worker says the call of ``key`` was cancelled (skipped or interrupted)."""
@@ -217,17 +231,29 @@ class Owned:
 
     def demand(self, key: str) -> None:
         """Something waits for ``key`` through Dask: register it as soon as it exists."""
-        rec = self.records.get(key)
-        if rec is None or rec.registered or rec.registering:
-            return
-        rec.wanted = True
-        if rec.status == FINISHED and self._alive(rec):
-            self._queue_registration(rec)
+        with self.cond:  # against drop() on a calling thread
+            rec = self.records.get(key)
+            if rec is None or rec.registered or rec.registering:
+                return
+            rec.wanted = True
+            if rec.status == FINISHED and self._alive(rec):
+                self._queue_registration(rec)
+
+    def _register_due(self) -> None:
+        # One timer for the results that finished in the last REGISTER_AFTER seconds (a
+        # timer each cost a heap entry per rank per call); most are dropped before it comes.
+        young, now = self._young, time.monotonic()
+        while young and young[0][0] <= now:
+            self._register_if_alive(young.popleft()[1])
+        if young:
+            delay = max(young[0][0] - now, REGISTER_SLACK)
+            asyncio.get_running_loop().call_later(delay, self._register_due)
 
     def _register_if_alive(self, key: str) -> None:
-        rec = self.records.get(key)
-        if rec is not None and not (rec.registered or rec.registering) and self._alive(rec):
-            self._queue_registration(rec)
+        with self.cond:  # against drop() on a calling thread
+            rec = self.records.get(key)
+            if rec is not None and not (rec.registered or rec.registering) and self._alive(rec):
+                self._queue_registration(rec)
 
     def _queue_registration(self, rec: OwnedResult) -> None:
         rec.registering = True
@@ -236,12 +262,24 @@ class Owned:
             self._registering = True
             asyncio.ensure_future(self._register())
 
+    def _on_loop(self) -> bool:
+        """Whether this runs on the client's event loop (where tornado's ``add_callback``
+        would still write to the loop's self-pipe and wait for the next turn)."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return here is getattr(self.client.loop, "asyncio_loop", None)
+
     def _alive(self, rec: OwnedResult) -> bool:
         """Whether the program still holds the future (its state is still the key's)."""
         return self.client.futures.get(rec.key) is rec.state
 
     def on_cancel(self, key: str, released: bool) -> None:
         """Dask cancelled or released ``key``'s state (any thread)."""
+        if self._on_loop():
+            self._on_cancel(key, released)
+            return
         try:
             self.client.loop.add_callback(self._on_cancel, key, released)
         except Exception:  # noqa: BLE001 - the loop is closing with the client
@@ -319,6 +357,39 @@ class Owned:
         finally:
             self._registering = False
 
+    def drop(self, key: str) -> None:
+        """A :class:`CallFuture` of ``key`` was released (any thread). The last reference to a
+        result that came back (or failed) and that nothing asked Dask about is dropped here
+        and then: an RL loop drops every step's futures, and a hop to the client's loop for
+        each call's costs a wake-up of that thread, which then contends with the caller's
+        next call for the GIL. Any other goes through the loop (:meth:`queue_drop`)."""
+        with self.cond:  # the loop settles and registers results under it
+            rec = self.records.get(key)
+            if (
+                rec is None
+                or rec.status not in (FINISHED, ERROR)
+                or rec.wanted
+                or rec.registering
+                or rec.registered
+                or not self._alive(rec)
+            ):
+                rec = None
+            else:
+                client = self.client
+                with client._refcount_lock:
+                    left = client.refcount.get(key, 0) - 1
+                    if left > 0:
+                        client.refcount[key] = left
+                        return
+                    client.refcount.pop(key, None)
+                client.futures.pop(key, None)
+                # No future of the key is left to see its state; it ends cancelled, as
+                # Dask's release leaves it.
+                rec.state.status = CANCELLED
+                self._forget(rec)
+        if rec is None:
+            self.queue_drop(key)
+
     def queue_drop(self, key: str) -> None:
         """:meth:`drop_reference` of ``key`` on the client's loop (any thread). References
         dropped together (a call's per-rank futures, a gathered list) go in one callback:
@@ -395,7 +466,25 @@ class Owned:
         """
         return list(await asyncio.gather(*(self._fetch_one(self.records.get(k), k, streams) for k in keys)))
 
-    async def _fetch_one(self, rec: OwnedResult | None, key: str, streams: CallStreams) -> Any:
+    def fetch_inline(self, keys: Sequence[str]) -> list | None:
+        """:meth:`fetch` without a loop when every one of these results came back with its
+        reply (or failed): their values; ``None`` when one must be fetched from its worker.
+
+        Raises:
+            what :meth:`fetch` raises for a released or failed result.
+        """
+        records = [self.records.get(k) for k in keys]
+        if any(r is not None and r.status != ERROR and r.inline is None for r in records):
+            return None
+        return [self._held(rec, key)[1] for rec, key in zip(records, keys)]
+
+    def _held(self, rec: OwnedResult | None, key: str) -> tuple[bool, Any]:
+        """``(True, value)`` of a result that came back with its reply (its inline copy),
+        ``(False, None)`` of one only its worker holds.
+
+        Raises:
+            the call's error (a copy); ``GroupBrokenError`` for a released result.
+        """
         if rec is None:
             raise GroupBrokenError(f"the result {key!r} was released: keep its future until it is read")
         if rec.status == ERROR:
@@ -406,12 +495,18 @@ class Owned:
                 error = rec.error
             raise error
         packed = rec.inline
-        if packed is not None:
-            if packed.buffers:
-                # Its tensors would be the received buffers': taken once, so two reads of
-                # the future never share memory (a later one fetches a copy of its own).
-                rec.inline = None
-            return serialization.loads(packed)
+        if packed is None:
+            return False, None
+        if packed.buffers:
+            # Its tensors would be the received buffers': taken once, so two reads of
+            # the future never share memory (a later one fetches a copy of its own).
+            rec.inline = None
+        return True, serialization.loads(packed)
+
+    async def _fetch_one(self, rec: OwnedResult | None, key: str, streams: CallStreams) -> Any:
+        held, value = self._held(rec, key)
+        if held:
+            return value
         call = rec.call
         message = wire.fetch_message(key, call.session, call.seq, f"{call.group_name}.{call.method}")
         try:

@@ -231,7 +231,10 @@ class Waiter:
         if mine:
             keys = [futures[i].key for i in mine]
             channel = self.ranks.driver.channel()
-            if channel is None:
+            fetched = owned.fetch_inline(keys)
+            if fetched is not None:
+                pass  # every one came back with its reply: no loop needed
+            elif channel is None:
                 fetched = self.ranks.client.sync(owned.fetch, keys, owned.streams)
             else:
                 fetched = channel.run(owned.fetch(keys, channel.streams), fresh=False)
