@@ -35,7 +35,9 @@ def batch(rows: int = 4, seconds: float = 0.0) -> DataProto:
 def hold_worker_loop(client, wg) -> threading.Thread:
     """Hold the event loop of ``wg``'s (only) worker for HELD seconds, from now (``client.run``
     runs a plain function on the worker's loop, and returns when it does)."""
-    holder = threading.Thread(target=client.run, args=(block_event_loop, HELD), kwargs={"workers": wg.workers})
+    holder = threading.Thread(
+        target=client.run, args=(block_event_loop, HELD), kwargs={"workers": wg.workers}
+    )
     holder.start()
     time.sleep(0.3)  # the hold has begun
     return holder
@@ -68,7 +70,9 @@ def test_a_blocking_calls_reply_leaves_while_the_workers_event_loop_is_held(clie
     t0 = time.monotonic()
     caller.join(HELD + 10)
     took = time.monotonic() - t0
-    print(f"\n[call path] a blocking call's reply with the worker's loop held: {took:.2f} s after the hold began")
+    print(
+        f"\n[call path] a blocking call's reply with the worker's loop held: {took:.2f} s after the hold began"
+    )
     assert out == [[1.0]]
     assert took < WITHIN
 
@@ -104,7 +108,10 @@ def test_a_result_being_made_is_fetched_by_a_rank_on_another_worker_as_soon_as_i
     # producer's loop, is woken there.
     pool = daskwg.ResourcePool(client4, world_size=2)
     first, second = pool.split([1, 1])
-    with WorkerGroup(client4, PathWorker, workers=first) as a, WorkerGroup(client4, PathWorker, workers=second) as b:
+    with (
+        WorkerGroup(client4, PathWorker, workers=first) as a,
+        WorkerGroup(client4, PathWorker, workers=second) as b,
+    ):
         made = a.make(batch(seconds=0.5))
         t0 = time.monotonic()
         assert b.double_now(made).batch["x"].tolist() == [2, 4, 6, 8]
