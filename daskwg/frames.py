@@ -61,6 +61,7 @@ class FrameStream:
         self._wlock = threading.Lock()
         self._writing = 0
         self._backlog: bytes | None = None
+        self._flushing: asyncio.Future | None = None  # the loop's write of the backlog
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:  # made outside a loop: only write() on the loop writes
@@ -130,10 +131,19 @@ class FrameStream:
         if sum(v.nbytes for v in views) > _SMALL:
             return False
         body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(body) > _READ_BUFFER:
+            return False  # a large pickle (a result without buffers of its own): the loop writes it
         head = _HEAD.pack(len(body), len(views)) + b"".join(_SIZE.pack(v.nbytes) for v in views)
         with self._wlock:
             sock = self._stream.socket  # None once tornado closed it
-            if self._writing or self._backlog is not None or sock is None or self._stream.closed():
+            if (
+                self._writing
+                or self._backlog is not None
+                or sock is None
+                or self._stream.closed()
+                # bytes of a loop write whose coroutine was cancelled may still be queued
+                or self._stream.writing()
+            ):
                 return False
             first = None if lead is None else lead()
             if first is not None:
@@ -156,7 +166,21 @@ class FrameStream:
         return True
 
     def _start_flush(self) -> None:
-        asyncio.ensure_future(self._flush_backlog())
+        self._flushing = asyncio.ensure_future(self._flush_backlog())
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether part of what :meth:`write_now` wrote waits for the loop (:meth:`drain`)."""
+        return self._backlog is not None
+
+    async def drain(self) -> None:
+        """On the stream's loop: until what :meth:`write_now` could not write at once has
+        gone out (at once when nothing is left)."""
+        if self._backlog is not None:
+            await asyncio.sleep(0)  # the flush write_now asked this loop for starts
+        flushing = self._flushing
+        if flushing is not None and not flushing.done():
+            await asyncio.shield(flushing)
 
     async def _flush_backlog(self) -> None:
         with self._wlock:

@@ -92,8 +92,9 @@ def _gather(futures: list[Future]) -> list:
     if not futures:
         return []
     by_transport: dict[Any, list[int]] = {}
+    found: dict[tuple[int, str | None], Any] = {}  # (driver, group id) -> transport, this call
     for i, future in enumerate(futures):
-        by_transport.setdefault(_transport_of(future), []).append(i)
+        by_transport.setdefault(_transport_of(future, found), []).append(i)
     values: list[Any] = [None] * len(futures)
     for transport, indices in by_transport.items():
         chosen = [futures[i] for i in indices]
@@ -103,16 +104,20 @@ def _gather(futures: list[Future]) -> list:
     return values
 
 
-def _transport_of(future: Future) -> Any:
-    """The transport of the live group whose call made ``future`` (``None`` for other futures)."""
+def _transport_of(future: Future, found: dict | None = None) -> Any:
+    """The transport of the live group whose call made ``future`` (``None`` for other
+    futures); ``found`` remembers the groups already looked up (a call's futures share one)."""
     driver = Driver.of(future.client)
     call = driver.call_of(future)
     if call is None:
         return None
-    for transport in list(driver.transports):
-        if transport.ranks.group_id == call.group_id:
-            return transport
-    return None
+    key = (id(driver), call.group_id)
+    if found is not None and key in found:
+        return found[key]
+    transport = next((t for t in list(driver.transports) if t.ranks.group_id == call.group_id), None)
+    if found is not None:
+        found[key] = transport
+    return transport
 
 
 def _gather_plain(futures: list[Future]) -> list:

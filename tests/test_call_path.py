@@ -156,5 +156,27 @@ def test_results_that_came_back_with_their_replies_are_read_without_an_event_loo
     monkeypatch.setattr(Channel, "run", counting)
     futures = wg.nap_async(0)
     assert daskwg.get(futures) == [0]
-    assert futures[0].result() == 0
     assert runs == []
+    # Dask's Future.result too: read here, with the client's loop held.
+    loop_free = threading.Event()
+    wg._transport.driver.client.loop.add_callback(lambda: (time.sleep(HELD), loop_free.set()))
+    time.sleep(0.2)
+    assert futures[0].result() == 0
+    assert not loop_free.is_set()
+    loop_free.wait(HELD + 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_result_that_fails_to_unpickle_in_the_driver_fails_only_its_call(client4):
+    # Its reply is read on the stream that the group's other calls share: the error must
+    # stay this call's (a RankError naming it), and the stream and group stay usable.
+    from workers import UnloadableWorker
+
+    with WorkerGroup(client4, UnloadableWorker, world_size=2) as group:
+        group.nap(0)
+        for _ in range(2):  # the second on a stream that is already open
+            with pytest.raises(daskwg.RankError, match="could not cross") as info:
+                group.unloadable()
+            assert "refuses to be unpickled" in str(info.value)
+        assert group.nap(0) == [0, 0]
+        assert not group.is_broken

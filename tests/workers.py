@@ -125,3 +125,20 @@ def block_event_loop(seconds: float) -> float:
     """Hold the calling worker's event loop (``client.run`` runs a plain function on it)."""
     time.sleep(seconds)
     return seconds
+
+
+def _refuse_to_load() -> None:
+    raise ValueError("this result refuses to be unpickled")
+
+
+class Unloadable:
+    """Pickles anywhere; unpickling it raises ``ValueError`` (not a pickling error)."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+class UnloadableWorker(PathWorker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def unloadable(self) -> Unloadable:
+        return Unloadable()

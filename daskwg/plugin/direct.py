@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import pickle
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
@@ -26,6 +27,8 @@ from ..wire import Call
 from .exceptions import picklable, unpickling_error
 
 __all__ = ["DirectCalls"]
+
+logger = logging.getLogger(__name__)
 
 
 class DirectCalls:
@@ -137,13 +140,26 @@ class DirectCalls:
         self, call: Call, key: str | None, inline: int, reply: Callable, cfut: ConcurrentFuture
     ) -> None:
         # The call's future is done: on the host thread as the call returns (the sequencer
-        # sets it there), on the loop if it was refused or cancelled before it ran.
+        # sets it there), on the loop if it was refused or cancelled before it ran. A done
+        # callback's exception is only logged by concurrent.futures: the reply must go anyway.
+        try:
+            outcome = self._outcome(call, key, inline, cfut)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
+            logger.exception("daskwg: finishing call %s failed", call)
+            outcome = (
+                "error",
+                None,
+                RuntimeError(f"daskwg's host failed finishing {call.method!r}: {exc!r}"),
+                None,
+            )
+        reply(outcome)
+
+    def _outcome(self, call: Call, key: str | None, inline: int, cfut: ConcurrentFuture) -> tuple:
         host = self.host
         if cfut.cancelled():
             if key is not None:  # its future was cancelled before it ran
                 host.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
-            reply(("cancelled", None, None, None))
-            return
+            return ("cancelled", None, None, None)
         exc = cfut.exception()
         if exc is not None:
             error = picklable(exc)
@@ -152,20 +168,17 @@ class DirectCalls:
                 host.results.fail(key, error)
             if host.calls.was_cancelled(call):
                 host.calls.forget_cancelled(call)
-                reply(("cancelled", None, None, None))
-            else:
-                reply(("error", None, error, None))
-            return
+                return ("cancelled", None, None, None)
+            return ("error", None, error, None)
         host.calls.forget_cancelled(call)
         result = cfut.result()
         if not isinstance(result, serialization.Packed):
             result = serialization.dumps(result)  # a life-cycle call's (None, True)
         if key is None:
-            reply(("OK", result.nbytes, None, result))
-            return
+            return ("OK", result.nbytes, None, result)
         host.results.put(key, result)
         small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
-        reply(("OK", result.nbytes, None, result if small else None))
+        return ("OK", result.nbytes, None, result if small else None)
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from .exceptions import picklable, unpickling_error
 from .rank import snapshot
 
 __all__ = ["PlanRunner"]
+
+logger = logging.getLogger(__name__)
 
 
 class PlanRunner:
@@ -100,7 +103,16 @@ class PlanRunner:
         cfut.add_done_callback(functools.partial(self._ended, first, entries, inline, reply))
 
     def _ended(self, first: Call, entries: list[tuple], inline: int, reply: Callable, cfut: Any) -> None:
-        # On the host thread as the last call returns; on the loop if refused at once.
+        # On the host thread as the last call returns; on the loop if refused at once. A done
+        # callback's exception is only logged by concurrent.futures: the reply must go anyway.
+        try:
+            replies = self._replies(first, entries, inline, cfut)
+        except Exception as exc:  # noqa: BLE001 - a defect: the driver must still hear of the calls
+            logger.exception("daskwg: finishing a step plan's calls failed")
+            replies = [("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None)] * len(entries)
+        reply(replies)
+
+    def _replies(self, first: Call, entries: list[tuple], inline: int, cfut: Any) -> list[tuple]:
         host = self.host
         exc = None if cfut.cancelled() else cfut.exception()
         if cfut.cancelled() or exc is not None:  # refused: a departed driver, a number twice
@@ -125,7 +137,7 @@ class PlanRunner:
                 replies.append(("OK", value.nbytes, None, value))
             else:  # a result nobody reads again: only that the call ended goes back
                 replies.append(("OK", 0, None, None))
-        reply(replies)
+        return replies
 
     def _execute(self, calls: list[Call], entries: list[tuple], payloads: list) -> list[tuple]:
         """On the host thread: every call in turn; per call ``(ok, snapshot or error)``."""

@@ -84,15 +84,40 @@ def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list,
             None if error is None else _pickled(error),
             None if result is None else result.header,
         )
-        out = [] if result is None else result.buffers
-        if not frames.write_now(message, out):
-            loop.call_soon_threadsafe(_write_later, frames, lock, message, out)
+        _send(frames, lock, loop, cid, message, [] if result is None else result.buffers)
 
     try:
         start(Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait, reply)
     except Exception as exc:  # noqa: BLE001 - start answers its own errors; this is a defect
         logger.exception("daskwg call stream: call %s failed outside the host", call)
         reply(("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None))
+
+
+def _send(
+    frames: FrameStream,
+    lock: asyncio.Lock,
+    loop: asyncio.AbstractEventLoop,
+    cid: int,
+    message: tuple,
+    buffers: list,
+) -> None:
+    """Write a reply from whichever thread has it: at once if the stream takes it
+    (``FrameStream.write_now``), else on the stream's loop."""
+    try:
+        if frames.write_now(message, buffers):
+            return
+    except Exception as exc:  # noqa: BLE001 - the reply does not pickle: say so instead
+        logger.exception("daskwg call stream: a reply could not be written")
+        message, buffers = (
+            reply_message(
+                cid, "error", None, _pickled(RuntimeError(f"daskwg's reply failed: {exc!r}")), None
+            ),
+            [],
+        )
+    try:
+        loop.call_soon_threadsafe(_write_later, frames, lock, message, buffers)
+    except RuntimeError:
+        pass  # the loop is closed: the worker is closing, and the driver sees the stream close
 
 
 def _write_later(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list) -> None:
@@ -126,8 +151,7 @@ def _plan(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list
             if result is not None:
                 out_buffers.extend(result.buffers)
         message = reply_message(cid, "plan", None, None, pickle.dumps(records))
-        if not frames.write_now(message, out_buffers):
-            loop.call_soon_threadsafe(_write_later, frames, lock, message, out_buffers)
+        _send(frames, lock, loop, cid, message, out_buffers)
 
     try:
         start_plan(entries, serialization.Packed(header, buffers), inline, reply)

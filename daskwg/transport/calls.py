@@ -128,6 +128,12 @@ class Inflight:
             futures = self._by_server.setdefault(server_id, SharedWeakSet())
         futures.add(future)
 
+    def count(self, server_id: str) -> int:
+        """How many futures sent to ``server_id`` are alive (finished ones included)."""
+        with self._lock:
+            futures = self._by_server.get(server_id)
+        return len(futures) if futures is not None else 0
+
     def of(self, server_id: str) -> list:
         """The futures sent to ``server_id`` that are still alive (a snapshot)."""
         with self._lock:

@@ -10,6 +10,7 @@ and their buffers go out as they are.
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from ..deadlines import Limit
 from ..errors import GroupBrokenError, RankError, WorkerLostError
 from ..wire import Call
 from .driver import GroupRanks
-from .failures import TRANSFER_ERRORS, CallWatch, FailureState, transfer_error
+from .failures import CallWatch, FailureState, transfer_error
 from .streams import CallStreams
 from .waiting import timeout_error
 
@@ -29,6 +30,17 @@ __all__ = ["DirectPath"]
 def _consume_exception(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
+
+
+async def _when_drained(
+    streams: CallStreams, address: str, server_id: str | None, sent: asyncio.Future
+) -> None:
+    # A call written with send_now is on its way once its stream has no backlog left.
+    try:
+        await streams.drain(address, server_id)
+    finally:
+        if not sent.done():
+            sent.set_result(None)
 
 
 class DirectPath:
@@ -85,10 +97,19 @@ class DirectPath:
         refs = refs or [None] * len(calls)
         loop = asyncio.get_running_loop()
         sent = [loop.create_future() for _ in calls]
-        tasks = [
-            asyncio.ensure_future(self._one(streams, c, p, r, relay_wait, s))
-            for c, p, r, s in zip(calls, payloads, refs, sent)
-        ]
+        tasks = []
+        for c, p, r, s in zip(calls, payloads, refs, sent):
+            # A small call on an open stream is written here and now; its reply settles a
+            # future (no task, no lock, no wait for the write per rank).
+            replied = self._send_now(streams, c, p, r, relay_wait, loop)
+            if replied is None:
+                replied = asyncio.ensure_future(self._one(streams, c, p, r, relay_wait, s))
+            elif streams.backlogged(self.ranks.address(c.rank), c.worker_id):
+                # Not all of it went at once: on its way once the loop wrote the rest.
+                asyncio.ensure_future(_when_drained(streams, self.ranks.address(c.rank), c.worker_id, s))
+            else:
+                s.set_result(None)
+            tasks.append(replied)
         lost = await self._wait(calls, tasks, limit, poll)
         for i in lost:
             # Its answer, if any, would come only after the partition: the call is given
@@ -157,6 +178,58 @@ class DirectPath:
             if lost or (limit is not None and limit.remaining() <= 0):
                 return lost
 
+    def _send_now(
+        self,
+        streams: CallStreams,
+        call: Call,
+        payload: serialization.Packed,
+        refs: list | None,
+        relay_wait: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> asyncio.Future | None:
+        """Write the call at once on its open stream (``CallStreams.send_now``); the future of
+        its outcome, as :meth:`_one` gives it; ``None``: it was not written."""
+        address = self.ranks.address(call.rank)
+        message = wire.call_message(
+            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
+        )
+        outcome = loop.create_future()
+        on_reply = functools.partial(self._replied, call, address, outcome)
+        if not streams.send_now(address, call.worker_id, message, payload.buffers, on_reply):
+            return None
+        return outcome
+
+    def _replied(self, call: Call, address: str, outcome: asyncio.Future, reply: Any, buffers: list) -> None:
+        # On the stream's loop: what _one does after its request, without a task when it went well.
+        if outcome.done():
+            return  # given up (a lost worker)
+        if isinstance(reply, BaseException):  # the stream closed
+            asyncio.ensure_future(self._fail(outcome, self.failures.connection_lost(call.rank, reply)))
+            return
+        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        _, _, status, _, error, header = reply
+        # Nothing may escape into the stream's reader: it would close the stream and fail
+        # every other call on it. An error here is this rank's, as in _one.
+        try:
+            if status == "OK":
+                outcome.set_result(serialization.loads(serialization.Packed(header, buffers)))
+                return
+            exc = (
+                pickle.loads(error)
+                if error is not None
+                else GroupBrokenError(f"{call.method!r} was cancelled")
+            )
+        except Exception as unpickling:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
+            outcome.set_exception(transfer_error(call.rank, address, call.method, unpickling))
+            return
+        asyncio.ensure_future(self._fail(outcome, self.failures.response_error(call, exc)))
+
+    @staticmethod
+    async def _fail(outcome: asyncio.Future, error: Any) -> None:
+        exc = await error
+        if not outcome.done():
+            outcome.set_exception(exc)
+
     async def _one(
         self,
         streams: CallStreams,
@@ -186,7 +259,7 @@ class DirectPath:
                 if error is not None
                 else GroupBrokenError(f"{call.method!r} was cancelled")
             )
-        except TRANSFER_ERRORS as exc:
+        except Exception as exc:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
             # The result (or the error) could not be unpickled here: name the call instead
             # of a bare unpickling error.
             raise transfer_error(call.rank, address, call.method, exc) from None

@@ -45,7 +45,8 @@ class Frees:
         self.client = client
         self.streams = streams
         self._frees: dict[tuple[str, str | None], list[str]] = {}
-        self._lock = threading.Lock()
+        # Reentrant: Future.__del__ (Owned.drop, then free) may run inside it, at an allocation.
+        self._lock = threading.RLock()
         self._urgent: set[tuple[str, str | None]] = set()  # with a large one among them
         self._timed: set[tuple[str, str | None]] = set()  # with a flush due
         # The frees waiting for a worker go with the next call written to it, if one

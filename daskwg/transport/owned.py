@@ -129,7 +129,8 @@ class Owned:
         #: results dropped here, on their way to be dropped on their workers.
         self.frees = Frees(client, streams)
         self._drops: list[str] = []  # released references, for the loop (queue_drop)
-        self._drops_lock = threading.Lock()
+        # Reentrant: Future.__del__ (queue_drop) may run inside it, at an allocation.
+        self._drops_lock = threading.RLock()
         self._to_register: list[OwnedResult] = []
         self._young: collections.deque[tuple[float, str]] = collections.deque()  # (due, key)
         self._registering = False
@@ -340,8 +341,9 @@ class Owned:
                         published = {}
                 released = []
                 for r in batch:
-                    r.registering = False
-                    r.registered = r.key in published
+                    with self.cond:  # against drop() on a calling thread
+                        r.registered = r.key in published
+                        r.registering = False
                     if self._alive(r):
                         r.state.finish()
                     elif r.registered:
@@ -362,8 +364,13 @@ class Owned:
         result that came back (or failed) and that nothing asked Dask about is dropped here
         and then: an RL loop drops every step's futures, and a hop to the client's loop for
         each call's costs a wake-up of that thread, which then contends with the caller's
-        next call for the GIL. Any other goes through the loop (:meth:`queue_drop`)."""
-        with self.cond:  # the loop settles and registers results under it
+        next call for the GIL. Any other goes through the loop (:meth:`queue_drop`), as does
+        this one when a lock it needs is taken: ``Future.__del__`` calls this wherever the
+        garbage collector runs, also inside code that holds one of them (never wait there)."""
+        if not self.cond.acquire(blocking=False):  # the loop settles and registers under it
+            self.queue_drop(key)
+            return
+        try:
             rec = self.records.get(key)
             if (
                 rec is None
@@ -374,19 +381,25 @@ class Owned:
                 or not self._alive(rec)
             ):
                 rec = None
+            elif not self.client._refcount_lock.acquire(blocking=False):
+                rec = None
             else:
                 client = self.client
-                with client._refcount_lock:
+                try:
                     left = client.refcount.get(key, 0) - 1
                     if left > 0:
                         client.refcount[key] = left
                         return
                     client.refcount.pop(key, None)
+                finally:
+                    client._refcount_lock.release()
                 client.futures.pop(key, None)
                 # No future of the key is left to see its state; it ends cancelled, as
                 # Dask's release leaves it.
                 rec.state.status = CANCELLED
                 self._forget(rec)
+        finally:
+            self.cond.release()
         if rec is None:
             self.queue_drop(key)
 
@@ -473,10 +486,14 @@ class Owned:
         Raises:
             what :meth:`fetch` raises for a released or failed result.
         """
-        records = [self.records.get(k) for k in keys]
-        if any(r is not None and r.status != ERROR and r.inline is None for r in records):
+        with self.cond:  # two threads reading one future: one takes an inline copy
+            records = [self.records.get(k) for k in keys]
+            if any(r is not None and r.status != ERROR and r.inline is None for r in records):
+                return None
+            held = [self._held(rec, key) for rec, key in zip(records, keys)]
+        if not all(h for h, _ in held):
             return None
-        return [self._held(rec, key)[1] for rec, key in zip(records, keys)]
+        return [value for _, value in held]
 
     def _held(self, rec: OwnedResult | None, key: str) -> tuple[bool, Any]:
         """``(True, value)`` of a result that came back with its reply (its inline copy),

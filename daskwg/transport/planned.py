@@ -195,9 +195,16 @@ class PlanPath:
         self, replay: Replay, batches: list, channel: Any, settings: Settings, limit: Limit | None, name: str
     ) -> None:
         replay.event = asyncio.Event()
+        streams = channel.streams
         for address, server_id, indices, message, buffers in batches:
             batch = _Batch(address, server_id, indices, replay)
-            asyncio.ensure_future(self._one(batch, message, buffers, _nothing, channel.streams))
+            # Written here and now on an open stream (its reply settles the replay); else a task.
+            if not streams.send_now(
+                address, server_id, message, buffers, functools.partial(self._reply, batch)
+            ):
+                asyncio.ensure_future(self._one(batch, message, buffers, _nothing, streams))
+        # Every worker replied, so what the socket did not take at once went out meanwhile;
+        # after a failure, the rest goes out whenever this loop runs again (as a task would).
         await replay.wait_async(limit, settings, name, channel.pool)
 
     def _send_now(self, replay: Replay, batch: tuple, streams: CallStreams) -> bool:

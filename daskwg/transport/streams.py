@@ -213,6 +213,19 @@ class CallStreams:
             return False
         return stream.send_now(message, buffers, on_reply)
 
+    def backlogged(self, address: str, server_id: str | None) -> bool:
+        """Whether part of what :meth:`send_now` wrote to that worker process waits for this
+        loop (the socket did not take it all at once)."""
+        stream = self._streams.get((address, server_id))
+        return stream is not None and stream.frames is not None and stream.frames.backlogged
+
+    async def drain(self, address: str, server_id: str | None) -> None:
+        """Until the calls :meth:`send_now` wrote to that worker process have all gone out
+        (``FrameStream.drain``; on this loop)."""
+        stream = self._streams.get((address, server_id))
+        if stream is not None and stream.frames is not None:
+            await stream.frames.drain()
+
     async def post(self, address: str, server_id: str | None, message: tuple) -> None:
         """:meth:`_Stream.post` on the stream to that worker process."""
         await self._stream(address, server_id).post(message)

@@ -274,6 +274,8 @@ class Waiter:
         most = settings.max_queued_calls
         inflight = self.ranks.driver.inflight
         for slot in slots:
+            if inflight.count(slot.server_id) < most:
+                continue  # fewer futures alive there than places: no need to look at each
             while True:
                 pending = [f for f in inflight.of(slot.server_id) if not self.done(f)]
                 if len(pending) < most:
