@@ -21,6 +21,7 @@ from .deadlines import current_limit, deadline
 from .errors import CallTimeoutError, WorkerGroupError
 from .futures import DataProtoFuture
 from .transport import Driver
+from .transport.owned import FINISHED, PENDING
 
 __all__ = ["get"]
 
@@ -91,6 +92,9 @@ def _gather(futures: list[Future]) -> list:
     """Values of ``futures`` in order; each group's futures through that group's wait."""
     if not futures:
         return []
+    values = _came_back(futures, wait=True)
+    if values is not None:
+        return values
     by_transport: dict[Any, list[int]] = {}
     found: dict[tuple[int, str | None], Any] = {}  # (driver, group id) -> transport, this call
     for i, future in enumerate(futures):
@@ -102,6 +106,29 @@ def _gather(futures: list[Future]) -> list:
         for i, value in zip(indices, gathered):
             values[i] = value
     return values
+
+
+def _came_back(futures: list[Future], wait: bool) -> list | None:
+    """The values of results of non-blocking calls that all finish and come back with
+    their replies, read here (a tight loop of small calls gathers these), after waiting
+    for them up to ``daskwg.poll-interval`` (``wait``) as the groups' waits do between
+    their checks; ``None`` for anything else, and for a call that failed or is not done
+    by then: the groups' waits handle those (errors, lost workers, deadlines)."""
+    client = futures[0].client
+    owned = Driver.of(client).owned
+    records = [owned.record(f) for f in futures]
+    if any(r is None or f.client is not client for r, f in zip(records, futures)):
+        return None
+    if wait and any(r.status == PENDING for r in records):
+        limit = current_limit()
+        timeout = Settings.current().poll_interval
+        if limit is not None:
+            timeout = min(timeout, limit.remaining())
+        if timeout > 0:
+            owned.wait(records, timeout, every=True)  # until all came, or one failed
+    if any(r.status != FINISHED for r in records):
+        return None
+    return owned.fetch_inline([f.key for f in futures])
 
 
 def _transport_of(future: Future, found: dict | None = None) -> Any:

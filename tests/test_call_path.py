@@ -162,6 +162,7 @@ def test_results_that_came_back_with_their_replies_are_read_without_an_event_loo
     wg._transport.driver.client.loop.add_callback(lambda: (time.sleep(HELD), loop_free.set()))
     time.sleep(0.2)
     assert futures[0].result() == 0
+    assert daskwg.get(futures) == [0]  # and daskwg.get, all of them having come back
     assert not loop_free.is_set()
     loop_free.wait(HELD + 5)
 
