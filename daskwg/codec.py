@@ -16,6 +16,7 @@ value tensors. Both daskwg's pickler
 
 from __future__ import annotations
 
+import math
 import pickle
 import weakref
 from typing import Any
@@ -79,6 +80,24 @@ def received(t: torch.Tensor) -> bool:
     torch sees it as borrowed from numpy."""
     ref = _RECEIVED.get(id(t))
     return ref is not None and ref() is t
+
+
+def owned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on memory from numpy, which asks the kernel for
+    huge pages for large blocks (a copy into fresh torch pages ran at 2.0 GB/s here, into
+    numpy's at 3.1), and counted as this process's own (:func:`received`), as torch's own
+    memory is: a result built on it is handed on without a copy."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    flat = (
+        torch.frombuffer(np.empty(nbytes, dtype=np.uint8), dtype=dtype)
+        if nbytes
+        else torch.empty(0, dtype=dtype)
+    )
+    t = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
+    del flat
+    key = id(t)
+    _RECEIVED[key] = weakref.ref(t, lambda _, key=key: _RECEIVED.pop(key, None))
+    return t
 
 
 def rebuild_tensor(

@@ -275,7 +275,48 @@ def concat_tensordicts(parts: Sequence[TensorDictBase]) -> TensorDictBase:
         else:
             name = ".".join(key) if isinstance(key, tuple) else key
             _check_trailing_shapes(f"batch key {name!r}", shapes)
-    return torch.cat(list(parts), dim=0)
+    large = _cat_large(parts)
+    return large if large is not None else torch.cat(list(parts), dim=0)
+
+
+#: Bytes of a concatenated column from which its memory comes from numpy (huge pages).
+_LARGE_CAT = 1 << 20
+
+
+def _cat_large(parts: Sequence[TensorDictBase]) -> TensorDict | None:
+    """``torch.cat(parts)`` of plain TensorDicts of CPU tensors, each column of at least
+    :data:`_LARGE_CAT` bytes written into one block from :func:`daskwg.codec.owned_empty`
+    (collecting a 64 MiB batch: 18 -> 12 ms here); ``None`` for anything else."""
+    first = parts[0]
+    if any(type(p) is not TensorDict for p in parts) or first.batch_dims < 1 or first.names[0] is not None:
+        return None
+    keys = list(first._tensordict)
+    columns = {}
+    large = False
+    for key in keys:
+        values = [p._tensordict.get(key) for p in parts]
+        if (
+            not all(
+                type(v) is torch.Tensor
+                and v.layout is torch.strided
+                and v.device.type == "cpu"
+                and not v.requires_grad
+                for v in values
+            )
+            or len({v.dtype for v in values}) != 1
+            or any(len(p._tensordict) != len(keys) for p in parts)
+        ):
+            return None
+        shape = (sum(v.shape[0] for v in values), *values[0].shape[1:])
+        if math.prod(shape) * values[0].element_size() >= _LARGE_CAT:
+            large = True
+            columns[key] = torch.cat(values, 0, out=codec.owned_empty(shape, values[0].dtype))
+        else:
+            columns[key] = torch.cat(values, 0)
+    if not large:
+        return None
+    rows = sum(p.batch_size[0] for p in parts)
+    return TensorDict(columns, batch_size=[rows, *first.batch_size[1:]], device=first.device)
 
 
 def _check_union_tensors(td1: TensorDictBase, td2: TensorDictBase, what: str) -> None:

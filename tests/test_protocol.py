@@ -1112,3 +1112,37 @@ def test_pickle_of_cuda_tensors_goes_through_host_memory_and_back():
     loaded = pickle.loads(body, buffers=buffers)
     assert loaded.batch.device == torch.device("cuda:0")
     assert loaded.batch["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_large_concat_writes_one_block_per_column_with_torch_cats_values():
+    # Collecting a batch writes each large column into memory numpy allocates (huge pages)
+    # and counts it as the process's own: the same values, dtypes, shapes and batch size
+    # as torch.cat, and handed on without a copy.
+    from daskwg import serialization
+    from daskwg.protocol import _LARGE_CAT, concat_tensordicts
+
+    rows = _LARGE_CAT // (8 * 64) + 1  # x: float64 [rows, 64] crosses the threshold per part
+    parts = [
+        TensorDict(
+            {
+                "x": torch.randn(rows + i, 64, dtype=torch.float64),
+                "mask": torch.rand(rows + i, 3) > 0.5,
+                "ids": torch.arange(rows + i),
+            },
+            batch_size=[rows + i],
+        )
+        for i in range(3)
+    ]
+    got, want = concat_tensordicts(parts), torch.cat(parts, 0)
+    assert got.batch_size == want.batch_size
+    for key in want.keys():
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    assert serialization.private(got)
+    # Anything else goes to torch.cat: nested TensorDicts, tensors with autograd.
+    nested = [
+        TensorDict({"a": TensorDict({"x": p["x"]}, batch_size=p.batch_size)}, batch_size=p.batch_size)
+        for p in parts
+    ]
+    assert torch.equal(concat_tensordicts(nested)["a", "x"], want["x"])
+    grads = [TensorDict({"x": p["x"].clone().requires_grad_()}, batch_size=p.batch_size) for p in parts]
+    assert concat_tensordicts(grads)["x"].requires_grad
