@@ -128,22 +128,20 @@ class ResultStore:
 
     def put(self, key: str, packed: serialization.Packed) -> None:
         """Store the call's result (its snapshot) under ``key`` (any thread)."""
-        with self._lock:
-            if key in self._dropped:
-                self._dropped.discard(key)
-            else:
-                self._values[key] = packed
-            waiter = self._pending.pop(key, None)
-        _wake(waiter)
+        self._settle(self._values, key, packed)
 
     def fail(self, key: str, exc: BaseException) -> None:
         """The call that makes ``key`` failed with ``exc``: fetches raise it (any thread)."""
-        exc = picklable(exc)
+        self._settle(self._failed, key, picklable(exc))
+
+    def _settle(self, table: dict, key: str, value: Any) -> None:
+        # Kept in ``table`` unless the driver dropped it meanwhile; a fetch waiting for it
+        # is woken on its loop.
         with self._lock:
             if key in self._dropped:
                 self._dropped.discard(key)
             else:
-                self._failed[key] = exc
+                table[key] = value
             waiter = self._pending.pop(key, None)
         _wake(waiter)
 

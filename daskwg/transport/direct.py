@@ -178,6 +178,31 @@ class DirectPath:
             if lost or (limit is not None and limit.remaining() <= 0):
                 return lost
 
+    @staticmethod
+    def _message(call: Call, payload: serialization.Packed, refs: list | None, relay_wait: float) -> tuple:
+        return wire.call_message(
+            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
+        )
+
+    def _decode(self, call: Call, address: str, reply: tuple, buffers: list) -> tuple[str, Any]:
+        """A reply as ``("ok", value)``, ``("failed", error)`` (raise it as it is) or
+        ``("raised", exception)`` (the rank's: ``FailureState.response_error`` shapes it).
+        Never raises: a reply read on a stream must not fail the stream's other calls."""
+        # A reply means the call has ended there (and, calls ending in order, every
+        # earlier one of this driver): no later call waits behind those any more.
+        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        _, _, status, _, error, header = reply
+        try:
+            if status == "OK":
+                return "ok", serialization.loads(serialization.Packed(header, buffers))
+            if error is None:
+                return "raised", GroupBrokenError(f"{call.method!r} was cancelled")
+            return "raised", pickle.loads(error)
+        except Exception as exc:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
+            # The result (or the error) could not be unpickled here: name the call instead
+            # of a bare unpickling error.
+            return "failed", transfer_error(call.rank, address, call.method, exc)
+
     def _send_now(
         self,
         streams: CallStreams,
@@ -190,11 +215,9 @@ class DirectPath:
         """Write the call at once on its open stream (``CallStreams.send_now``); the future of
         its outcome, as :meth:`_one` gives it; ``None``: it was not written."""
         address = self.ranks.address(call.rank)
-        message = wire.call_message(
-            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
-        )
         outcome = loop.create_future()
         on_reply = functools.partial(self._replied, call, address, outcome)
+        message = self._message(call, payload, refs, relay_wait)
         if not streams.send_now(address, call.worker_id, message, payload.buffers, on_reply):
             return None
         return outcome
@@ -206,23 +229,13 @@ class DirectPath:
         if isinstance(reply, BaseException):  # the stream closed
             asyncio.ensure_future(self._fail(outcome, self.failures.connection_lost(call.rank, reply)))
             return
-        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
-        _, _, status, _, error, header = reply
-        # Nothing may escape into the stream's reader: it would close the stream and fail
-        # every other call on it. An error here is this rank's, as in _one.
-        try:
-            if status == "OK":
-                outcome.set_result(serialization.loads(serialization.Packed(header, buffers)))
-                return
-            exc = (
-                pickle.loads(error)
-                if error is not None
-                else GroupBrokenError(f"{call.method!r} was cancelled")
-            )
-        except Exception as unpickling:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
-            outcome.set_exception(transfer_error(call.rank, address, call.method, unpickling))
-            return
-        asyncio.ensure_future(self._fail(outcome, self.failures.response_error(call, exc)))
+        kind, value = self._decode(call, address, reply, buffers)
+        if kind == "ok":
+            outcome.set_result(value)
+        elif kind == "failed":
+            outcome.set_exception(value)
+        else:
+            asyncio.ensure_future(self._fail(outcome, self.failures.response_error(call, value)))
 
     @staticmethod
     async def _fail(outcome: asyncio.Future, error: Any) -> None:
@@ -240,27 +253,14 @@ class DirectPath:
         sent: asyncio.Future,
     ) -> Any:
         address = self.ranks.address(call.rank)
-        message = wire.call_message(
-            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
-        )
+        message = self._message(call, payload, refs, relay_wait)
         try:
             reply, buffers = await streams.request(address, call.worker_id, message, payload.buffers, sent)
         except OSError as exc:  # the stream closed, or could not be opened
             raise await self.failures.connection_lost(call.rank, exc) from None
-        # A reply means the call has ended there (and, calls ending in order, every
-        # earlier one of this driver): no later call waits behind those any more.
-        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
-        _, _, status, _, error, header = reply
-        try:
-            if status == "OK":
-                return serialization.loads(serialization.Packed(header, buffers))
-            exc = (
-                pickle.loads(error)
-                if error is not None
-                else GroupBrokenError(f"{call.method!r} was cancelled")
-            )
-        except Exception as exc:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
-            # The result (or the error) could not be unpickled here: name the call instead
-            # of a bare unpickling error.
-            raise transfer_error(call.rank, address, call.method, exc) from None
-        raise await self.failures.response_error(call, exc)
+        kind, value = self._decode(call, address, reply, buffers)
+        if kind == "ok":
+            return value
+        if kind == "failed":
+            raise value
+        raise await self.failures.response_error(call, value)
