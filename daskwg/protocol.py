@@ -290,6 +290,15 @@ def _cat_large(parts: Sequence[TensorDictBase]) -> TensorDict | None:
     first = parts[0]
     if any(type(p) is not TensorDict for p in parts) or first.batch_dims < 1 or first.names[0] is not None:
         return None
+    # Small batches (every tiny call of an RL step) leave at once: no column can reach the
+    # threshold when the largest per-row size times all the rows stays below it.
+    rows = sum(p.batch_size[0] for p in parts)
+    tallest = max(parts, key=lambda p: p.batch_size[0])._tensordict.values()
+    widest = max(
+        (v.nbytes // v.shape[0] for v in tallest if isinstance(v, torch.Tensor) and v.numel()), default=0
+    )
+    if widest * rows < _LARGE_CAT:
+        return None
     keys = list(first._tensordict)
     columns = {}
     large = False
@@ -315,7 +324,6 @@ def _cat_large(parts: Sequence[TensorDictBase]) -> TensorDict | None:
             columns[key] = torch.cat(values, 0)
     if not large:
         return None
-    rows = sum(p.batch_size[0] for p in parts)
     return TensorDict(columns, batch_size=[rows, *first.batch_size[1:]], device=first.device)
 
 
