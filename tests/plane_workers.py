@@ -46,6 +46,22 @@ def _tcp_info_total(offset: int) -> int:
     return total
 
 
+def no_shared_memory(side: str, dask_worker=None) -> None:
+    """Fault injection: this worker cannot make (``"producer"``) or map (``"consumer"``)
+    shared-memory files; ``"undo"`` undoes both."""
+    from daskwg.plugin import inputs, shared
+
+    def refuse(*_):
+        raise OSError("/proc/<pid>/fd is not ours to open here (fault injection)")
+
+    saved = dask_worker.__dict__.setdefault("_daskwg_saved", (shared.available, inputs.attach))
+    shared.available, inputs.attach = saved
+    if side == "producer":
+        shared.available = lambda: False
+    elif side == "consumer":
+        inputs.attach = refuse
+
+
 class Producer(Worker):
     """Makes batches whose row ``i`` is known: ``id == i`` and ``x[i, :] == i``."""
 
@@ -97,6 +113,12 @@ class Consumer(Worker):
         if "tag" in data.non_tensor_batch:
             out["tag"] = list(data.non_tensor_batch["tag"])
         return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def scribble(self, data: DataProto) -> list:
+        """Negates its rows of ``x`` in place (a rank may change its input)."""
+        data.batch["x"].mul_(-1.0)
+        return data.batch["id"].tolist()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def ids(self, data: DataProto) -> DataProto:

@@ -11,6 +11,7 @@ import pytest
 from collective_workers import Member
 from conftest import process_cluster
 from distributed import Client
+from plane_workers import no_shared_memory
 
 import daskwg
 from daskwg import DataProtoFuture, GroupBrokenError, RankError, ResourcePool, WorkerGroup, WorkerLostError
@@ -202,22 +203,6 @@ def _open_files(dask_worker) -> int:
     return dask_worker.plugins["daskwg"]._inputs.shared.nbytes
 
 
-def _no_shared_memory(side: str, dask_worker=None) -> None:
-    """Fault injection: this worker cannot make (``"producer"``) or map (``"consumer"``)
-    shared-memory files; ``"undo"`` undoes both."""
-    from daskwg.plugin import inputs, shared
-
-    def refuse(*_):
-        raise OSError("/proc/<pid>/fd is not ours to open here (fault injection)")
-
-    saved = dask_worker.__dict__.setdefault("_daskwg_saved", (shared.available, inputs.attach))
-    shared.available, inputs.attach = saved
-    if side == "producer":
-        shared.available = lambda: False
-    elif side == "consumer":
-        inputs.attach = refuse
-
-
 def test_a_large_state_dict_on_one_host_is_mapped_copy_on_write_from_one_shared_copy(groups):
     # Workers of the trainer's host map the trainer worker's one shared-memory copy: nothing
     # but the pickle header crosses a socket, each rank's in-place change stays its own (the
@@ -272,7 +257,7 @@ def test_shared_memory_that_cannot_be_made_or_mapped_falls_back_to_the_comm(grou
     client, trainer, rollout = groups
     nbytes = 4 << 20
     where = trainer.workers[:1] if side == "producer" else rollout.workers
-    client.run(_no_shared_memory, side, workers=where)
+    client.run(no_shared_memory, side, workers=where)
     try:
         weights = trainer.big_weights(6.0, nbytes)[0]
         distributed.wait([weights])
@@ -284,7 +269,7 @@ def test_shared_memory_that_cannot_be_made_or_mapped_falls_back_to_the_comm(grou
         assert sent >= 2.9 * nbytes, f"trainer rank 0 sent {sent} bytes"  # acknowledged ones
         assert [g["ok"] for g in rollout.keep_weights(weights, 6.0)] == [True] * 3
     finally:
-        client.run(_no_shared_memory, "undo", workers=where)
+        client.run(no_shared_memory, "undo", workers=where)
 
 
 def test_weights_in_the_wrong_wrapper_are_refused_with_what_to_pass_instead(groups):

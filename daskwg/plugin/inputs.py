@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import threading
 import traceback
 from typing import Any
@@ -49,9 +50,10 @@ class _Fetched:
     (which then holds the only reference: a snapshot of a result that returns the argument
     sees it as the rank's own)."""
 
-    __slots__ = ("_event", "_value", "_error")
+    __slots__ = ("ref", "_event", "_value", "_error")
 
-    def __init__(self) -> None:
+    def __init__(self, ref: ResultRef) -> None:
+        self.ref = ref
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -105,7 +107,7 @@ class Inputs:
     def _start(self, kind: str, ref: ResultRef, relay_wait: float) -> _Fetched | _Local:
         if ref.address == self.worker.address and ref.via is None:
             return _Local(kind, ref, relay_wait)  # read on the host thread when the call runs
-        fetched = _Fetched()
+        fetched = _Fetched(ref)
         coro = self.info(ref) if kind == wire.ROWS else self.value(ref, relay_wait)
         asyncio.ensure_future(coro).add_done_callback(fetched.settle)
         return fetched
@@ -139,10 +141,10 @@ class Inputs:
             return rows.part_info_of(await self.store.wait(ref), ref.key, ref.address)
         return (await self._ask(ref, "daskwg_part_info"))["info"]
 
-    async def _ask(self, ref: ResultRef, handler: str) -> dict:
+    async def _ask(self, ref: ResultRef, handler: str, **extra: Any) -> dict:
         try:
             response = await getattr(self.worker.rpc(ref.address), handler)(
-                key=ref.key, session=ref.session, seq=ref.seq, source=ref.source
+                key=ref.key, session=ref.session, seq=ref.seq, source=ref.source, **extra
             )
         except (OSError, CommClosedError) as exc:
             raise WorkerLostError(
@@ -198,7 +200,10 @@ class Inputs:
         fetched = [self._take(lazy.kind, v) for v in values]
         if lazy.kind == wire.ROWS:
             current[1] = max(current[1], padding_of(lazy.spec, [info.rows for info in fetched]))
-            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get)
+            refs = [v if isinstance(v, ResultRef) else getattr(v, "ref", None) for v in values]
+            shared = {n: ref for n, ref in enumerate(refs) if ref is not None and ref.shared}
+            mapped = functools.partial(self._mapped, shared) if shared else None
+            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get, mapped)
         if len(fetched) == 1 and not isinstance(values[0], (_Fetched, _Local, ResultRef)):
             # Resolved by Dask (the task path): a part produced on this worker arrives as
             # the very object Dask keeps for its future, which a method that changes its
@@ -222,6 +227,28 @@ class Inputs:
         except WorkerGroupError as exc:
             raise _FetchFailed(exc) from None
         return value
+
+    def _mapped(self, refs: dict[int, ResultRef], part: int) -> Any:
+        """On the host thread: part ``part`` of a ``DataProtoFuture`` whose worker is on this
+        host, mapped copy-on-write from the shared-memory file that worker writes it into;
+        ``None``: it is small or cannot be mapped here, fetch its rows over the comm.
+
+        Raises:
+            GroupBrokenError: the part was released. WorkerLostError: its worker is gone.
+        """
+        ref = refs.get(part)
+        if ref is None:
+            return None
+        try:
+            response = sync(self.worker.loop, lambda: self._ask(ref, "daskwg_shared", finished=True))
+        except WorkerGroupError as exc:
+            raise _FetchFailed(exc) from None
+        if response["status"] != "shared":
+            return None
+        try:
+            return attach(response)
+        except Exception:  # noqa: BLE001 - another PID namespace, /proc hidden: over the comm
+            return None
 
     def _local(self, local: _Local) -> Any:
         # A result kept on this worker: the call that makes it ran earlier on this host

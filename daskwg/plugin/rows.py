@@ -9,7 +9,11 @@ rows of which parts its piece needs (:func:`daskwg.futures.evaluate`), and asks 
 workers holding them for exactly those rows and columns through the
 ``daskwg_rows`` comm handler (:func:`install`), which slices the stored value
 without copying and sends the slice's own bytes. Parts on the rank's own worker are
-read in place and copied once, so the rank may change its rows freely.
+read in place and copied once, so the rank may change its rows freely. Parts on another
+worker of the rank's host (with ``daskwg.shared-memory`` on) of which the rank reads at
+least a quarter are mapped copy-on-write from the shared-memory file their worker writes
+them into once (``daskwg.plugin.shared``), and sliced there: no socket carries them, and
+what the rank changes stays its own.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from ..futures import evaluate, rows_of, select_columns
 from ..protocol import DataProto
 from ..wire import PartInfo
 
-__all__ = ["part_info", "part_info_of", "evaluate_on_worker", "install"]
+__all__ = ["part_info", "part_info_of", "part_released", "evaluate_on_worker", "install", "MAP_FRACTION"]
+
+#: A part of another worker of this host is mapped from shared memory when this rank reads
+#: at least 1/MAP_FRACTION of its rows (its worker writes the whole part into the file once,
+#: whoever reads it); a smaller slice comes over the comm, as its own bytes only.
+MAP_FRACTION = 4
 
 
 def _stored(stored: Any) -> Any:
@@ -59,15 +68,24 @@ def part_info_of(value: Any, key: str, address: str) -> PartInfo:
     return PartInfo(address, key, rows_of(value), meta, foreign_class)
 
 
+def part_released(key: str, address: str) -> GroupBrokenError:
+    """The error of a part that ``address`` no longer holds."""
+    return GroupBrokenError(
+        f"the part {key!r} of a DataProtoFuture is no longer held by {address}: it was released "
+        "(keep the DataProtoFuture until the call that consumes it has run) or the worker restarted"
+    )
+
+
 def _slice(worker: Any, lookup: Any, key: str, start: int, stop: int, columns: Any) -> Any:
     try:
         stored = lookup(key)
     except KeyError:
-        raise GroupBrokenError(
-            f"the part {key!r} of a DataProtoFuture is no longer held by {worker.address}: it was released "
-            "(keep the DataProtoFuture until the call that consumes it has run) or the worker restarted"
-        ) from None
-    piece = select_columns(_value(stored)[start:stop], columns)
+        raise part_released(key, worker.address) from None
+    return _piece(_value(stored), start, stop, columns)
+
+
+def _piece(value: Any, start: int, stop: int, columns: Any) -> Any:
+    piece = select_columns(value[start:stop], columns)
     if isinstance(piece, DataProto):
         piece.meta_info = {}  # the consumer merges every part's meta_info from the PartInfos
     return piece
@@ -94,7 +112,9 @@ def install(worker: Any, lookup: Any) -> None:
     worker.handlers["daskwg_rows"] = handle_rows
 
 
-def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any) -> Any:
+def evaluate_on_worker(
+    plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any = None
+) -> Any:
     """The value of a ``DataProtoFuture``'s plan for this rank, fetching only its rows.
 
     Args:
@@ -102,6 +122,11 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any, lookup: 
         infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
         lookup: ``key -> stored value`` of parts on this worker.
+        mapped: ``part number -> the whole part mapped copy-on-write from its worker's
+            shared-memory file, or None`` (``daskwg.plugin.shared``), asked for parts of
+            another worker of this host of which this rank reads at least a quarter
+            (:data:`MAP_FRACTION`): its rows are then sliced from the mapping, not sent
+            over a socket. ``None``: every such part comes over the comm.
 
     Returns:
         a daskwg ``DataProto`` or ``TensorDict``; verl's ``DataProto`` when every part is one.
@@ -115,8 +140,22 @@ def evaluate_on_worker(plan: tuple, infos: list[PartInfo], worker: Any, lookup: 
         KeyError, ValueError: as the eager ``DataProto`` operations of the plan.
     """
 
+    read: set[int] = set()  # parts already sliced from their mapping
+
     def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
         info = infos[part]
+        if (
+            mapped is not None
+            and info.address != worker.address
+            and (stop - start) * MAP_FRACTION >= info.rows
+        ):
+            whole = mapped(part)
+            if whole is not None:
+                piece = _piece(_value(whole), start, stop, columns)
+                if part in read:  # two pieces of one mapping must not share memory
+                    piece = serialization.loads(serialization.dumps(piece), copy=True)
+                read.add(part)
+                return piece
         if info.address == worker.address:
             piece = sync(worker.loop, _local_slice, worker, lookup, info.key, start, stop, columns)
             # A view of the stored value: the rank must get rows of its own.

@@ -53,6 +53,7 @@ from ..buffers import pool_limit
 from ..wire import ResultRef
 from .exceptions import picklable
 from .results import ResultStore
+from .rows import part_released
 
 __all__ = ["SharedResults", "SMALLEST", "available", "attach"]
 
@@ -251,24 +252,41 @@ class SharedResults:
         """Bytes of the files waiting for a next result."""
         return sum(f.capacity for f in self._pool)
 
-    async def _handle_shared(self, key: str, session: str, seq: int, source: str = "") -> dict:
+    async def _handle_shared(
+        self, key: str, session: str, seq: int, source: str = "", finished: bool = False
+    ) -> dict:
         """``daskwg_shared``: where the file holding the result ``key`` is (status
         ``"shared"``, written on the first request), or the value itself (status ``"OK"``,
         as ``daskwg_fetch`` answers) when it is small or no file can be made; its call's
-        error (status ``"error"``) if that failed."""
+        error (status ``"error"``) if that failed. ``finished``: a part whose rows a consumer
+        reads (it learnt of the part from the part itself): not here means released, at once
+        (a ``GroupBrokenError``), rather than not made yet; and where the value would come
+        itself, status ``"unshared"`` comes instead (the consumer asks for its rows only)."""
         try:
-            value = await self.store.wait(ResultRef(key, self.worker.address, session, seq, source=source))
+            if finished:
+                value = self._finished(key)
+            else:
+                value = await self.store.wait(
+                    ResultRef(key, self.worker.address, session, seq, source=source)
+                )
             packed = serialization.dumps(value)
         except Exception as exc:  # noqa: BLE001 - the consumer raises it
             return {"status": "error", "exception": to_serialize(picklable(exc))}
+        whole = {"status": "unshared"} if finished else {"status": "OK", "data": to_serialize(packed)}
         if not available() or packed.nbytes - len(packed.header) < SMALLEST:
-            return {"status": "OK", "data": to_serialize(packed)}
+            return whole
         try:
             segment = await self._segment(key, packed)
         except OSError as exc:
             logger.info("daskwg: no shared-memory file for %s (%s): sending it over the comm", key, exc)
-            return {"status": "OK", "data": to_serialize(packed)}
+            return whole
         return segment.answer()
+
+    def _finished(self, key: str) -> Any:
+        try:
+            return self.store.get(key)
+        except KeyError:
+            raise part_released(key, self.worker.address) from None
 
     async def _segment(self, key: str, packed: serialization.Packed) -> _Segment:
         segment = self._segments.get(key)

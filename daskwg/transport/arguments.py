@@ -165,7 +165,9 @@ def plan_relays(
 
     With ``shared_memory`` (``daskwg.shared-memory``), a consumer on the producer's host
     maps it from the one shared-memory copy its worker makes (:attr:`ResultRef.shared`,
-    ``daskwg.plugin.shared``); the others are chained.
+    ``daskwg.plugin.shared``); the others are chained. The parts of a ``DataProtoFuture``
+    whose rows a rank reads are marked the same way when their worker is on the rank's
+    host (:func:`daskwg.plugin.rows.evaluate_on_worker` maps those it reads much of).
 
     The first consumer (in rank order) fetches it from the producer's worker, every next
     one from the previous one's (:attr:`ResultRef.via`), each serving the next
@@ -185,6 +187,14 @@ def plan_relays(
     for lz, address in zip(lazies, addresses):
         for kind, values in lz:
             if kind == wire.ROWS:
+                if shared_memory:  # parts of this host whose rows the rank reads: mapped
+                    for i, v in enumerate(values):
+                        if (
+                            isinstance(v, ResultRef)
+                            and v.address != address
+                            and same_host(v.address, address)
+                        ):
+                            values[i] = replace(v, shared=True)
                 continue
             for i, v in enumerate(values):
                 if (
