@@ -39,7 +39,7 @@ from tensordict import TensorDict, TensorDictBase
 from . import codec, foreign
 from .errors import ConcatError, DispatchError
 from .futures import DataProtoFuture
-from .protocol import _LARGE_CAT, DataProto, concat_tensordicts, pad_rows
+from .protocol import DataProto, concat_tensordicts, pad_rows
 
 __all__ = [
     "PADDING_SIZE_KEY",
@@ -199,8 +199,9 @@ def _concat_releasing(parts: list[Any]) -> Any:
     each part right after (``parts`` is emptied) keeps one part and the result instead.
     Validation, ``meta_info`` merging and the non-tensor rows come from
     ``DataProto.concat`` itself, run on stand-ins whose tensors are on the ``meta``
-    device (no memory). Columns of 1 MiB or more are written into blocks of
-    :func:`daskwg.codec.owned_empty` (warm pages an earlier step's result gave back: a 64 MiB
+    device (no memory). The columns are written into blocks of
+    :func:`daskwg.codec.owned_empty`: an RL loop collects batches of the same sizes every
+    step, so large ones land in the warm pages an earlier step's result gave back (a 64 MiB
     DP round trip on 4 ranks 92 -> 75 ms here). Parts that are not flat TensorDicts of
     plain CPU tensors take the ordinary path.
     """
@@ -228,14 +229,7 @@ def _concat_releasing(parts: list[Any]) -> Any:
     ]
     merged = DataProto.concat(shells)
     del shells
-    # Large columns go into pooled blocks: an RL loop collects batches of the same sizes
-    # every step and drops the last step's, so the copy lands in warm pages.
-    out = {
-        k: codec.owned_empty(t.shape, t.dtype)
-        if t.nbytes >= _LARGE_CAT
-        else torch.empty(t.shape, dtype=t.dtype)
-        for k, t in merged.batch.items()
-    }
+    out = {k: codec.owned_empty(t.shape, t.dtype) for k, t in merged.batch.items()}
     device = parts[0].batch.device
     start = 0
     for i in range(len(parts)):
