@@ -90,13 +90,12 @@ def owned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     fresh memory from numpy, which asks the kernel for huge pages for large blocks. A copy
     into fresh torch pages ran at 2.0 GB/s here, into numpy's at 3.1, into a warm block at
     5.3. Counted as this process's own (:func:`received`), as torch's own memory is: a
-    result built on it is handed on without a copy."""
+    result built on it is handed on without a copy. Below :data:`daskwg.buffers.SMALLEST`
+    bytes: ``torch.empty`` itself (its allocator keeps small blocks warm)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    flat = (
-        torch.frombuffer(buffers.receive_buffer(nbytes), dtype=dtype)
-        if nbytes
-        else torch.empty(0, dtype=dtype)
-    )
+    if nbytes < buffers.SMALLEST:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buffers.receive_buffer(nbytes), dtype=dtype)
     t = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
     del flat
     key = id(t)

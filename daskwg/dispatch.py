@@ -199,7 +199,7 @@ def _concat_releasing(parts: list[Any]) -> Any:
     each part right after (``parts`` is emptied) keeps one part and the result instead.
     Validation, ``meta_info`` merging and the non-tensor rows come from
     ``DataProto.concat`` itself, run on stand-ins whose tensors are on the ``meta``
-    device (no memory). The columns are written into blocks of
+    device (no memory). The columns are written into
     :func:`daskwg.codec.owned_empty`: an RL loop collects batches of the same sizes every
     step, so large ones land in the warm pages an earlier step's result gave back (a 64 MiB
     DP round trip on 4 ranks 92 -> 75 ms here). Parts that are not flat TensorDicts of
