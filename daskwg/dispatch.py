@@ -376,7 +376,7 @@ def dispatch_dp_compute_data_proto(
         if _num_rows(value) is not None:
             value, _ = pad_rows(value, n)
         elif isinstance(value, DataProtoFuture):
-            return value.padded_chunk(n, strip=length is None, keep_parts=length is None)
+            return value.padded_chunk(n, strip=length is None, keep_parts=length is None, length=length)
         return _split_batch(label, value, n)
 
     split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))

@@ -294,18 +294,17 @@ class DataProtoFuture:
             return [replace(self, futures=[f], ranks=[r]) for f, r in zip(self.futures, ranks)]
         return [replace(self, rows=(i, chunks)) for i in range(chunks)]
 
-    def padded_chunk(self, chunks: int, strip: bool, keep_parts: bool = True) -> list[DataProtoFuture]:
-        """[`chunk`][daskwg.DataProtoFuture.chunk] as ``DP_COMPUTE_PROTO`` cuts a batch in the driver:
-        padded to a multiple of ``chunks`` rows (rows repeated from the start), so 2 rows feed 3 ranks.
-        ``strip``: each consuming rank takes its padding off its own output, else the
-        driver does (it padded its own batches alike). ``keep_parts``: parts that are one
-        per piece are the pieces (no rows move)."""
+    def padded_chunk(self, chunks: int, strip: bool, keep_parts: bool = True, length: int | None = None):
+        """[`chunk`][daskwg.DataProtoFuture.chunk] padded as ``DP_COMPUTE_PROTO`` pads a batch (2 rows feed 3
+        ranks). ``strip``: each rank unpads its own output, else the driver does; ``keep_parts``: parts
+        one per piece are the pieces; ``length``: rows the driver's batches beside it have (ranks check)."""
         pieces = self.chunk(chunks)
         if pieces[0].rows is None:
             if keep_parts:
                 return pieces
             pieces = [replace(self, rows=(i, chunks)) for i in range(chunks)]
-        return [replace(p, rows=(*p.rows, STRIP if strip else PAD)) for p in pieces]
+        tail = (STRIP if strip else PAD,) + (() if length is None else (length,))
+        return [replace(p, rows=(*p.rows, *tail)) for p in pieces]
 
     # ---- evaluation ------------------------------------------------------------------
 

@@ -3,12 +3,13 @@
 driver (:func:`piece_rows` of a padded piece), so that a ``DataProtoFuture`` of 2 rows
 feeds 3 ranks exactly as the same 2 rows in the driver do.
 
-A piece is ``(index, chunks)`` (unpadded) or ``(index, chunks, PAD | STRIP)`` (padded
-to a multiple of ``chunks`` rows, rows repeated from the start, as
+A piece is ``(index, chunks)`` (unpadded) or ``(index, chunks, PAD | STRIP[, length])``
+(padded to a multiple of ``chunks`` rows, rows repeated from the start, as
 :func:`daskwg.protocol.pad_rows` does): with :data:`PAD` the driver takes the padding off
 the collected output (it padded its own batches by as many rows); with :data:`STRIP` each
 consuming rank takes its own padding rows off its output (:func:`trailing_padding`),
-since the driver never learns the length.
+since the driver never learns the length. ``length``: the rows the batch must have (those
+of the driver's batches cut beside it in the same call).
 """
 
 from __future__ import annotations
@@ -49,14 +50,20 @@ def piece_rows(rows: int, piece: tuple) -> np.ndarray:
     (a padded piece's last numbers wrap around to the first rows).
 
     Raises:
-        ValueError: an unpadded piece of fewer rows than pieces, or a padded one of a
-            batch with no rows.
+        ValueError: an unpadded piece of fewer rows than pieces, a padded one of a batch
+            with no rows, or of a batch whose rows are not the ``length`` it was cut for.
     """
     if len(piece) == 2:
         return np.arange(*chunk_bounds(rows, *piece))
     index, chunks = piece[0], piece[1]
     if rows == 0:
         raise ValueError(f"the batch has 0 rows; there is nothing to split over {chunks} ranks")
+    if len(piece) > 3 and piece[3] != rows:
+        raise ValueError(
+            f"this DataProtoFuture has {rows} rows, but the DataProto/TensorDict arguments beside it in "
+            f"the same DP_COMPUTE_PROTO call have {piece[3]}: every batch argument of one call must have "
+            "the same length (as for batches in the driver); select or pad them to one length first"
+        )
     size = _size(rows, chunks)
     return np.arange(index * size, (index + 1) * size) % rows
 

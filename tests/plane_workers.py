@@ -115,6 +115,11 @@ class Consumer(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def pair(self, data: DataProto, other: DataProto) -> list:
+        """Row by row: this rank's ``id`` of ``data`` beside its ``j`` of ``other``."""
+        return list(zip(data.batch["id"].tolist(), other.batch["j"].tolist()))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def scribble(self, data: DataProto) -> list:
         """Negates its rows of ``x`` in place (a rank may change its input)."""
         data.batch["x"].mul_(-1.0)

@@ -140,6 +140,24 @@ def test_rows_that_cannot_be_mapped_come_over_the_comm_and_only_they(plane, side
         consumers.shutdown()
 
 
+@pytest.mark.timeout(300)
+def test_a_future_and_a_driver_batch_of_other_lengths_in_one_call_fail_on_the_ranks(plane):
+    # Found by trying it: 7 rows of a future beside 8 rows of a DataProto on 3 ranks were both
+    # padded to 9 and paired silently (the future's padding row against the batch's row 7),
+    # where two DataProtos of 7 and 8 rows raise DispatchError in the driver.
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 3], Producer, Consumer)
+    try:
+        future = producers.make(seed(7, 4))
+        with pytest.raises(RankError, match="has 7 rows, but the DataProto/TensorDict arguments beside it"):
+            consumers.pair(future, DataProto.from_dict({"j": torch.arange(8) * 10}))
+        pairs = consumers.pair(future, DataProto.from_dict({"j": torch.arange(7) * 10}))
+        assert [p for rank in pairs for p in rank] == [(i, i * 10) for i in [*range(7), 0, 1]]  # padded alike
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
 @pytest.mark.timeout(600)
 def test_a_future_shorter_than_the_consuming_group_is_padded_as_the_same_rows_in_the_driver(plane):
     client, pool = plane
