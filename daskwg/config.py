@@ -54,7 +54,10 @@ class Settings:
             relayed between them (results of unknown size are).
         relay_wait: seconds a relaying rank waits for its next consumer to ask.
         shared_memory: a result that ranks on other workers of its worker's host take whole
-            is mapped by them from one shared-memory copy rather than sent to each.
+            is mapped by them from one shared-memory copy rather than sent to each; the
+            large buffers of calls and replies between the driver and workers of its host
+            go through shared-memory files (``daskwg.memfiles``; read when a call stream
+            opens).
         skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
         check_process_group: groups built now refuse a rank whose process holds another
             group's default process group.

@@ -9,24 +9,34 @@ buffers of its own (numpy allocations, huge pages for large ones). Dask's own me
 (msgpack, sizing, serialisation families) costs more than a small call does; this costs one
 ``pickle.dumps`` and one socket write.
 
+Between a driver and a worker of one host, a message's large buffers (a megabyte or more)
+go through a shared-memory file instead of the socket (:mod:`daskwg.memfiles`): the frame
+carries where the file is, the receiver maps it. :attr:`FrameStream.files` says whether the
+peer can map this process's files; the stream's opening sets it.
+
 Comms without a byte stream (in-process ones) carry the same frames as Dask messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import struct
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 from distributed.comm.core import CommClosedError
 from tornado.iostream import SSLIOStream
 
+from . import memfiles
 from .buffers import receive_buffer
 
 __all__ = ["FrameStream"]
+
+logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<QI")  # bytes of the message's pickle, number of buffers
 _SIZE = struct.Struct("<Q")
@@ -62,6 +72,9 @@ class FrameStream:
         self._writing = 0
         self._backlog: bytes | None = None
         self._flushing: asyncio.Future | None = None  # the loop's write of the backlog
+        #: where large buffers go when the peer maps this process's files (set by the
+        #: stream's opening), else ``None``: all bytes go over the socket
+        self.files: memfiles.SendFiles | None = None
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:  # made outside a loop: only write() on the loop writes
@@ -80,8 +93,10 @@ class FrameStream:
         if lead is not None and self._stream is None:
             await self.write(lead)
             lead = None
-        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         views = [memoryview(b).cast("B") for b in buffers]
+        if self.files is not None and _worth_a_file(views):
+            message, views = await self._filed(message, views)
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if self._stream is None:
             await self.comm.write({"m": body, "b": [bytes(v) for v in views]})
             return
@@ -128,10 +143,18 @@ class FrameStream:
         if not self._raw:
             return False
         views = [memoryview(b).cast("B") for b in buffers]
+        infile = None
         if sum(v.nbytes for v in views) > _SMALL:
-            return False
+            if self.files is None or not _worth_a_file(views):
+                return False
+            message, views = self._put(message, views)  # copied here, on the calling thread
+            infile = message if isinstance(message, memfiles.InFile) else None
+            if infile is None or sum(v.nbytes for v in views) > _SMALL:
+                self._give_back(infile)
+                return False
         body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if len(body) > _READ_BUFFER:
+            self._give_back(infile)
             return False  # a large pickle (a result without buffers of its own): the loop writes it
         head = _HEAD.pack(len(body), len(views)) + b"".join(_SIZE.pack(v.nbytes) for v in views)
         with self._wlock:
@@ -144,6 +167,7 @@ class FrameStream:
                 # bytes of a loop write whose coroutine was cancelled may still be queued
                 or self._stream.writing()
             ):
+                self._give_back(infile)
                 return False
             first = None if lead is None else lead()
             if first is not None:
@@ -164,6 +188,37 @@ class FrameStream:
         except RuntimeError:  # the loop is closed: so is the connection
             pass
         return True
+
+    def _put(self, message: Any, views: list) -> tuple[Any, list]:
+        """``message`` with its large buffers in a shared-memory file (``memfiles.InFile``),
+        or as it was if no file can be made (logged: the socket takes them)."""
+        ref = weakref.ref(self)
+
+        def alive() -> bool:
+            frames = ref()
+            return frames is not None and not frames.closed()
+
+        try:
+            return self.files.put(message, views, alive)
+        except OSError as exc:
+            logger.warning(
+                "daskwg: no shared-memory file for a message (%s): sending it over the socket", exc
+            )
+            return message, views
+
+    def _give_back(self, infile: Any) -> None:
+        if infile is not None:
+            self.files.give_back(infile)
+
+    async def _filed(self, message: Any, views: list) -> tuple[Any, list]:
+        """:meth:`_put` in a thread of the loop's executor (the copy takes milliseconds);
+        a file written for a write that was cancelled meanwhile is given back."""
+        done = self._loop.run_in_executor(None, self._put, message, views)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() or self._give_back(f.result()[0]))
+            raise
 
     def _start_flush(self) -> None:
         self._flushing = asyncio.ensure_future(self._flush_backlog())
@@ -215,6 +270,7 @@ class FrameStream:
             with self._rview[self._rpos : self._rpos + n] as body:
                 message = pickle.loads(body)
             self._rpos += n
+            infile = message if type(message) is memfiles.InFile else None
             buffers = []
             if sizes and sum(sizes) <= _SMALL:
                 total = sum(sizes)
@@ -229,6 +285,16 @@ class FrameStream:
                 for size in sizes:
                     buffers.append(await self._read_buffer(size))
             self._shrink()
+            if infile is not None:
+                try:
+                    message, buffers = infile.take(buffers)
+                except OSError as exc:
+                    logger.error(
+                        "daskwg: a message's shared-memory file could not be mapped (%s): closing its stream",
+                        exc,
+                    )
+                    self.comm.abort()
+                    raise
         except Exception as exc:  # noqa: BLE001 - tornado's StreamClosedError and socket errors
             raise _closed(self.comm, exc) from None
         return message, buffers
@@ -279,6 +345,11 @@ class FrameStream:
 
     def abort(self) -> None:
         self.comm.abort()
+
+
+def _worth_a_file(views: list) -> bool:
+    """Whether a message's large buffers come to :data:`daskwg.memfiles.SMALLEST` bytes."""
+    return sum(v.nbytes for v in views if v.nbytes >= memfiles.BUFFER_SMALLEST) >= memfiles.SMALLEST
 
 
 def _closed(comm: Any, exc: BaseException) -> Exception:

@@ -129,6 +129,20 @@ class Consumer(Worker):
     def ids(self, data: DataProto) -> DataProto:
         return data.select(batch_keys=["id"])
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def bump_and_keep(self, data: DataProto) -> DataProto:
+        """Adds 1 to its rows of ``x`` in place, keeps them (:meth:`kept`) and returns them."""
+        data.batch["x"].add_(1.0)
+        self.held = getattr(self, "held", []) + [data]
+        return data
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def kept(self) -> list:
+        """The sums of ``x`` of what :meth:`bump_and_keep` kept, then lets go of it."""
+        sums = [float(d.batch["x"].sum()) for d in getattr(self, "held", [])]
+        self.held = []
+        return sums
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def ids_async(self, data: DataProto) -> DataProto:
         return data.select(batch_keys=["id"])

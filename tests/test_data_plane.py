@@ -8,6 +8,7 @@ responsive; every asserted ratio is the issue's.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.sizeof import sizeof
 from distributed import Client, wait
-from plane_workers import Consumer, Producer, Stateful, no_shared_memory, tcp_bytes_received
+from plane_workers import Consumer, Producer, Stateful, no_shared_memory, tcp_bytes_received, tcp_bytes_sent
 
 from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup, serialization
 
@@ -137,6 +138,54 @@ def test_rows_that_cannot_be_mapped_come_over_the_comm_and_only_they(plane, side
     finally:
         client.run(no_shared_memory, "undo", workers=where)
         producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_large_call_and_its_reply_cross_through_shared_memory_files_on_one_host(plane):
+    """A DP_COMPUTE_PROTO call with a 16 MiB batch from the driver to ranks of its host, and
+    its reply: the bytes go through shared-memory files (``daskwg.memfiles``), not TCP; the
+    ranks change their rows in place without touching the driver's batch; rows a rank keeps
+    stay as they were while later calls come; once the ranks let go, the next call's
+    files are the same ones again (on both sides)."""
+    client, pool = plane
+    (consumers,) = groups(client, pool, [2], Consumer)
+
+    def batch(seed: int) -> DataProto:
+        g = torch.Generator().manual_seed(seed)
+        return DataProto.from_dict({"x": torch.rand(ROWS, COLS, generator=g), "id": torch.arange(ROWS)})
+
+    def files_held() -> int:
+        from daskwg import memfiles
+
+        return memfiles.send_files().nbytes
+
+    try:
+        first, second = batch(1), batch(2)
+        x1, x2 = first.batch["x"].clone(), second.batch["x"].clone()
+        sent, got = tcp_bytes_sent(), tcp_bytes_received()
+        out = consumers.bump_and_keep(first)
+        over_tcp = tcp_bytes_sent() - sent + tcp_bytes_received() - got
+        assert over_tcp < ROWS * COLS * 4 // 16, over_tcp  # 8 MiB each way over TCP otherwise
+        assert torch.equal(out.batch["x"], x1 + 1) and torch.equal(first.batch["x"], x1)
+        assert torch.equal(out.batch["id"], torch.arange(ROWS))
+        out2 = consumers.bump_and_keep(second)  # the ranks still hold the first call's rows
+        assert torch.equal(out2.batch["x"], x2 + 1) and torch.equal(out.batch["x"], x1 + 1)
+        half = ROWS // 2
+        expected = [[float((x[r * half : (r + 1) * half] + 1).sum()) for x in (x1, x2)] for r in range(2)]
+        assert consumers.kept() == [pytest.approx(e, rel=1e-5) for e in expected]
+        del out, out2
+        gc.collect()
+        consumers.bump_and_keep(batch(3))
+        consumers.kept()
+        driver, ranks = files_held(), client.run(files_held, workers=consumers.workers)
+        for seed in (4, 5):
+            x = batch(seed)
+            assert torch.equal(consumers.bump_and_keep(x).batch["x"], x.batch["x"] + 1)
+            consumers.kept()
+        assert files_held() == driver
+        assert client.run(files_held, workers=consumers.workers) == ranks
+    finally:
         consumers.shutdown()
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from distributed.comm import connect, listen
 
-from daskwg import frames
+from daskwg import frames, memfiles
 from daskwg.frames import FrameStream
 
 pytestmark = pytest.mark.timeout(60)
@@ -197,5 +197,140 @@ def test_write_now_declines_where_it_cannot_write_the_socket_itself():
         message, buffers = await asyncio.wait_for(reader.read(), 10)
         assert message == ("call", 1, "small") and bytes(buffers[0]) == b"y"
         await close()
+
+    asyncio.run(main())
+
+
+def _filed(message, buffers) -> bool:
+    """Whether the buffers of a received message lie in a shared-memory file's mapping."""
+    import mmap
+
+    def mapped(b) -> bool:
+        return isinstance(b.base, memoryview) and isinstance(b.base.obj, mmap.mmap)
+
+    large = [b for b in buffers if b.nbytes >= memfiles.BUFFER_SMALLEST]
+    return bool(large) and all(mapped(b) for b in large)
+
+
+def test_large_messages_to_a_peer_that_maps_files_go_through_them_whole_and_in_order():
+    """A writer whose peer maps its files (``FrameStream.files``): messages whose large
+    buffers come to a megabyte go through a shared-memory file (the reader's buffers are
+    over its mapping, writable, and the writer's own bytes are untouched by the reader's
+    changes); smaller ones, and buffers under 64 KiB of a large one, over the socket; all
+    in order, from the loop and from another thread (``write_now``)."""
+
+    async def main():
+        close, writer, reader = await _pair()
+        writer.files = memfiles.SendFiles()
+        rng = np.random.default_rng(2)
+        big = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+        sent = [
+            (("call", 0, "two large, one small"), [big[: 1 << 20], big[5:9], big[1 << 20 :]]),
+            (("call", 1, "under a megabyte"), [big[: (1 << 20) - 1]]),
+            (("call", 2, "sixteen of 64 KiB"), [big[i << 16 : (i + 1) << 16] for i in range(16)]),
+            (("call", 3, "small"), [big[:10]]),
+        ]
+        for message, buffers in sent:
+            await writer.write(message, buffers)
+        # From another thread: a large message now goes at once too (its copy made there).
+        done = await asyncio.get_running_loop().run_in_executor(
+            None, writer.write_now, ("call", 4, "from a thread"), [big[7 : (2 << 20) + 7]], None
+        )
+        assert done
+        sent.append((("call", 4, "from a thread"), [big[7 : (2 << 20) + 7]]))
+        for message, buffers in sent:
+            got, got_buffers = await asyncio.wait_for(reader.read(), 10)
+            assert got == message
+            assert [bytes(g) for g in got_buffers] == [bytes(b) for b in buffers], message
+            assert all(g.flags.writeable for g in got_buffers)
+            assert _filed(got, got_buffers) == (message[1] in (0, 2, 4)), message
+            for g in got_buffers:
+                g[:] = 0  # the reader's own: the writer's bytes stay as they were
+        assert int(big.sum()) == int(np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8).sum())
+        await close()
+        writer.files.close()
+
+    asyncio.run(main())
+
+
+def test_a_file_is_reused_once_its_reader_let_go_and_never_while_it_holds_it():
+    """The writer reuses a file whose reader dropped every buffer over it (its bytes stay at
+    one file's worth, message after message); while the reader holds a message's buffers,
+    later messages of the same size go into other files and the held bytes stay as sent."""
+
+    async def main():
+        import gc
+
+        close, writer, reader = await _pair()
+        files = writer.files = memfiles.SendFiles()
+        size = 2 << 20
+        for i in range(5):
+            await writer.write(("call", i), [np.full(size, i, dtype=np.uint8)])
+            _, got = await asyncio.wait_for(reader.read(), 10)
+            assert _filed(None, got) and int(got[0][0]) == i == int(got[0][-1])
+            del got
+            gc.collect()
+        one_file = files.nbytes
+        assert size < one_file < 2 * size, one_file
+        held = []
+        for i in range(3):
+            await writer.write(("call", i), [np.full(size, 10 + i, dtype=np.uint8)])
+            held.append((await asyncio.wait_for(reader.read(), 10))[1][0])
+        assert [(int(h.min()), int(h.max())) for h in held] == [(10, 10), (11, 11), (12, 12)]
+        assert files.nbytes >= 3 * size
+        held.clear()
+        gc.collect()
+        before = files.nbytes
+        await writer.write(("call", 9), [np.full(size, 9, dtype=np.uint8)])
+        _, got = await asyncio.wait_for(reader.read(), 10)
+        assert int(got[0].min()) == 9 == int(got[0].max())
+        assert files.nbytes == before  # one of the three freed files, not a new one
+        del got
+        await close()
+        files.close()
+
+    asyncio.run(main())
+
+
+def test_a_file_whose_message_was_never_read_is_not_reused_while_its_stream_lives():
+    """Between the send and the reader's mapping (its claim), a file is never rewritten:
+    a message read late still holds the bytes it was sent with."""
+
+    async def main():
+        close, writer, reader = await _pair()
+        files = writer.files = memfiles.SendFiles()
+        size = 1 << 20
+        for i in range(4):  # none read yet: four files
+            await writer.write(("call", i), [np.full(size, i, dtype=np.uint8)])
+        assert files.nbytes >= 4 * size
+        for i in range(4):
+            message, got = await asyncio.wait_for(reader.read(), 10)
+            assert message == ("call", i) and int(got[0].min()) == i == int(got[0].max())
+        await close()
+        files.close()
+
+    asyncio.run(main())
+
+
+def test_past_the_limit_of_held_mappings_a_reader_copies_and_lets_go_at_once(monkeypatch):
+    """Each mapping a reader keeps holds a file descriptor: past ``_mapped_limit`` (a quarter
+    of the descriptor limit) a reader copies the bytes out and lets the file go, so a
+    caller that keeps every result runs out of neither descriptors nor reusable files."""
+
+    async def main():
+        close, writer, reader = await _pair()
+        files = writer.files = memfiles.SendFiles()
+        monkeypatch.setattr(memfiles, "_mapped_limit", lambda: 0)
+        held, base = [], memfiles.mapped()
+        for i in range(4):
+            await writer.write(("call", i), [np.full(1 << 20, i, dtype=np.uint8)])
+            message, got = await asyncio.wait_for(reader.read(), 10)
+            assert not _filed(message, got) and int(got[0].min()) == i == int(got[0].max())
+            assert got[0].flags.writeable
+            held.append(got)
+        assert memfiles.mapped() == base
+        assert files.nbytes < 2 << 20  # one file, reused: every reader let go of it at once
+        await close()
+        files.close()
 
     asyncio.run(main())

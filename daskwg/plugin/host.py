@@ -178,10 +178,10 @@ class HostPlugin(WorkerPlugin):
 
     # ---- comm handlers ---------------------------------------------------------------
 
-    async def _handle_stream(self, comm: Any) -> Any:
+    async def _handle_stream(self, comm: Any, files: dict | None = None) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
         return await stream.serve(
-            comm, self.direct.start, self.results.free, self._plans.start, self.results.packed
+            comm, self.direct.start, self.results.free, self._plans.start, self.results.packed, files
         )
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:

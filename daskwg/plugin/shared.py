@@ -36,13 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import itertools
 import logging
-import mmap
 import os
 import pickle
-import stat
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +46,7 @@ from distributed.protocol import to_serialize
 
 from .. import serialization
 from ..buffers import pool_limit
+from ..memfiles import File, available, create, layout, open_mapping, write
 from ..wire import ResultRef
 from .exceptions import picklable
 from .results import ResultStore
@@ -69,39 +66,12 @@ SWEEP_INTERVAL = 1.0
 #: Files kept open at most, in use or not.
 MAX_FILES = 16
 
-_PAGE = mmap.PAGESIZE
-_generations = itertools.count(1)
-
-
-def available() -> bool:
-    """Whether this platform has ``memfd_create`` (Linux)."""
-    return hasattr(os, "memfd_create")
-
-
-@dataclass(eq=False)
-class _File:
-    """A shared-memory file of ``capacity`` bytes, ``fd`` in this process."""
-
-    fd: int
-    ino: int
-    dev: int
-    capacity: int
-
-    def unused(self) -> bool:
-        """Whether no consumer maps it (it may be rewritten): its exclusive lock is free."""
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return True
-
 
 @dataclass(frozen=True, eq=False)
 class _Segment:
     """A result's buffers in a file: generation ``generation``, at page-aligned ``offsets``."""
 
-    file: _File
+    file: File
     generation: int
     size: int
     header: bytes
@@ -126,36 +96,21 @@ class _Segment:
 def _layout(packed: serialization.Packed) -> tuple[list[memoryview], list[int], int]:
     """The buffers, their offsets (after the generation's page, page-aligned), the bytes in all."""
     views = [memoryview(b).cast("B") for b in packed.buffers]
-    offsets, position = [], _PAGE
-    for view in views:
-        offsets.append(position)
-        position += -(-view.nbytes // _PAGE) * _PAGE
-    return views, offsets, position
+    offsets, size = layout(views)
+    return views, offsets, size
 
 
-def _write(key: str, packed: serialization.Packed, file: _File | None) -> _Segment:
+def _write(key: str, packed: serialization.Packed, file: File | None) -> _Segment:
     """``packed``'s buffers written into ``file`` (locked exclusively by the caller, unlocked
     here) or a new file. Runs in an executor thread."""
     views, offsets, size = _layout(packed)
     fresh = file is None
     if fresh:
-        fd = os.memfd_create(f"daskwg-{key}"[:200], os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        file = _File(fd, st.st_ino, st.st_dev, size)
-    generation = next(_generations)
+        file = create(f"daskwg-{key}", size)
     try:
-        os.pwrite(file.fd, generation.to_bytes(8, "little"), 0)
-        for view, offset in zip(views, offsets):
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(file.fd, view[done:], offset + done)
+        generation = write(file, views, offsets)
     except BaseException:
-        os.close(file.fd)
+        file.close()
         raise
     finally:
         if not fresh:
@@ -172,26 +127,7 @@ def attach(answer: dict) -> Any:
         OSError: the file cannot be opened, locked or mapped here, or is not the one
             described (the caller fetches the value over the comm instead).
     """
-    path = f"/proc/{answer['pid']}/fd/{answer['fd']}"
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or (st.st_ino, st.st_dev) != (answer["ino"], answer["dev"])
-            or st.st_size < answer["size"]
-        ):
-            raise OSError(f"{path} is not the result's file any more")
-        mapping = mmap.mmap(fd, answer["size"], flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        if int.from_bytes(mapping[:8], "little") != answer["generation"]:
-            mapping.close()
-            raise OSError(f"{path} holds another result now")
-    except BaseException:
-        os.close(fd)
-        raise
-    weakref.finalize(mapping, os.close, fd)
-    whole = memoryview(mapping)
+    whole = memoryview(open_mapping(answer))
     buffers = [whole[o : o + n] for o, n in zip(answer["offsets"], answer["sizes"])]
     return pickle.loads(answer["header"], buffers=buffers)
 
@@ -210,7 +146,7 @@ class SharedResults:
         self.store = store
         self._segments: dict[str, _Segment] = {}
         self._making: dict[str, asyncio.Future] = {}
-        self._pool: list[_File] = []  # files of released results, oldest first
+        self._pool: list[File] = []  # files of released results, oldest first
         self._sweeper: asyncio.Task | None = None
 
     def install(self) -> None:
@@ -236,9 +172,9 @@ class SharedResults:
         if self._sweeper is not None:
             self._sweeper.cancel()
         for segment in self._segments.values():
-            os.close(segment.file.fd)
+            segment.file.close()
         for file in self._pool:
-            os.close(file.fd)
+            file.close()
         self._segments.clear()
         self._pool.clear()
 
@@ -320,7 +256,7 @@ class SharedResults:
         finally:
             del self._making[key]
 
-    def _reusable(self, size: int) -> _File | None:
+    def _reusable(self, size: int) -> File | None:
         """A pooled file of ``size`` to ``size`` + 25% bytes that no consumer maps, locked
         exclusively (taken out of the pool), or ``None``."""
         for file in self._pool:
@@ -338,14 +274,14 @@ class SharedResults:
         ``daskwg.buffer-pool`` bytes (oldest first). A file consumers still map costs
         nothing to keep: their mappings hold its pages anyway."""
         while len(self._pool) + len(self._segments) > MAX_FILES and self._pool:
-            os.close(self._pool.pop(0).fd)
+            self._pool.pop(0).close()
         unused = [f for f in self._pool if f.unused()]
         excess = sum(f.capacity for f in unused) - pool_limit()
         for file in unused:
             if excess <= 0:
                 break
             self._pool.remove(file)
-            os.close(file.fd)
+            file.close()
             excess -= file.capacity
 
     def _sweep(self) -> None:

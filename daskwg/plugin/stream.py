@@ -20,7 +20,8 @@ from typing import Any
 
 from distributed.core import Status
 
-from .. import serialization
+from .. import memfiles, serialization
+from ..config import Settings
 from ..errors import safe_str
 from ..frames import FrameStream
 from ..wire import Call, reply_message
@@ -36,6 +37,7 @@ async def serve(
     free: Callable[[list], None],
     start_plan: Callable[..., None],
     fetch: Callable[..., Awaitable[serialization.Packed]],
+    files: dict | None = None,
 ) -> Any:
     """Serve one call stream until the driver closes it.
 
@@ -48,11 +50,21 @@ async def serve(
             of them before the scheduler heard of them).
         fetch: ``ResultStore.packed(key, session, seq, source)``, the pickled value of a
             kept result (a :func:`daskwg.wire.fetch_message`), answered as a call's reply.
+        files: the driver's :func:`daskwg.memfiles.probe`, sent by a driver of this host
+            (``daskwg.transport.streams``): this side answers whether it maps the driver's
+            files (with ``daskwg.shared-memory`` on here too) and with its own probe; the
+            driver's ``("files", 0, ok)`` says whether it maps this side's.
     Returns:
         ``Status.dont_reply`` (replies go out as calls finish).
     """
     frames = FrameStream(comm)
     lock = asyncio.Lock()
+    if files is not None:
+        ours = Settings.current().shared_memory and memfiles.can_open(files)
+        try:
+            await frames.write(("files", ours, memfiles.probe() if ours else None))
+        except OSError:
+            return Status.dont_reply
     while True:
         try:
             message, buffers = await frames.read()
@@ -66,6 +78,8 @@ async def serve(
             asyncio.ensure_future(_fetch(frames, lock, message, fetch))
         elif message[0] == "free":
             free(list(message[2]))
+        elif message[0] == "files":
+            frames.files = memfiles.send_files() if message[2] else None
         else:
             logger.warning("daskwg call stream: unknown message %r ignored", message[0])
     return Status.dont_reply

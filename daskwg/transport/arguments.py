@@ -27,14 +27,14 @@ from dataclasses import replace
 from typing import Any
 
 from distributed import Future
-from distributed.comm.addressing import parse_address, parse_host_port
 
 from .. import wire
 from ..futures import DataProtoFuture
+from ..memfiles import same_host
 from ..wire import LazyArg, ResultRef
 from .driver import Driver
 
-__all__ = ["extract_futures", "plan_relays", "same_host", "ref_keys", "needs_dask", "source_of"]
+__all__ = ["extract_futures", "plan_relays", "ref_keys", "needs_dask", "source_of"]
 
 #: Items of a list, tuple or dict argument searched for futures (larger ones are not, and a
 #: future inside them is refused when the arguments are packed).
@@ -140,18 +140,6 @@ def ref_keys(lazies: Sequence[list]) -> set[str]:
         for v in values
         if isinstance(v, ResultRef)
     }
-
-
-def same_host(a: str, b: str) -> bool:
-    """Whether the TCP/TLS addresses ``a`` and ``b`` (``"tcp://10.0.0.1:4000"``) name the same
-    host (other schemes: ``False``)."""
-    try:
-        (scheme_a, loc_a), (scheme_b, loc_b) = parse_address(a), parse_address(b)
-        if scheme_a not in ("tcp", "tls") or scheme_b not in ("tcp", "tls"):
-            return False
-        return parse_host_port(loc_a)[0] == parse_host_port(loc_b)[0]
-    except ValueError:
-        return False
 
 
 def plan_relays(

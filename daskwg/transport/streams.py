@@ -26,7 +26,10 @@ from typing import Any
 
 from distributed.comm import connect
 
+from .. import memfiles
+from ..config import Settings
 from ..frames import FrameStream
+from ..memfiles import same_host
 
 __all__ = ["CallStreams", "StreamClosed"]
 
@@ -70,8 +73,12 @@ class _Stream:
     async def _connect(self) -> FrameStream:
         comm = await connect(self.address, **self.connection_args)
         comm.name = "daskwg call stream"
-        await comm.write({"op": "daskwg_stream", "reply": False})
-        self.frames = FrameStream(comm)
+        probe = _probe(comm)
+        await comm.write({"op": "daskwg_stream", "reply": False, "files": probe})
+        frames = FrameStream(comm)
+        if probe is not None:
+            await _agree_on_files(frames)
+        self.frames = frames
         asyncio.ensure_future(self._read(self.frames))
         return self.frames
 
@@ -137,6 +144,29 @@ class _Stream:
     def abort(self) -> None:
         if self.frames is not None:
             self.frames.abort()
+
+
+def _probe(comm: Any) -> dict | None:
+    """What the worker opens to learn whether it can map this process's files
+    (:func:`daskwg.memfiles.probe`): only to a worker of this host, with
+    ``daskwg.shared-memory`` on; else ``None`` (every byte over the socket)."""
+    if not Settings.current().shared_memory or getattr(comm, "stream", None) is None:
+        return None
+    if not same_host(comm.local_address, comm.peer_address):
+        return None
+    return memfiles.probe()
+
+
+async def _agree_on_files(frames: FrameStream) -> None:
+    """The opening's second half (``daskwg.plugin.stream.serve`` the other): the worker
+    says whether it maps this process's files and gives its own probe; this side says
+    whether it maps the worker's. Each side then sends large buffers through files only to
+    a peer that maps them."""
+    answer, _ = await frames.read()
+    if answer[0] != "files":
+        raise OSError(f"daskwg call stream: {answer[0]!r} where the opening's answer belongs")
+    frames.files = memfiles.send_files() if answer[1] else None
+    await frames.write(("files", 0, memfiles.can_open(answer[2])))
 
 
 class CallStreams:
