@@ -85,25 +85,34 @@ class FrameStream:
 
     async def write(self, message: Any, buffers: list = (), lead: Any = None) -> None:
         """Write one message and its buffers (bytes-like objects; not copied); ``lead``, if
-        given, a message without buffers written just before it, in the same write.
+        given, a message without buffers written just before it, in the same write, or a
+        callable giving one (or ``None``), called once the message is ready to go (so a
+        write cancelled before that takes nothing from the caller).
 
         Raises:
             CommClosedError, OSError: the connection is gone.
         """
-        if lead is not None and self._stream is None:
-            await self.write(lead)
-            lead = None
         views = [memoryview(b).cast("B") for b in buffers]
+        infile = None
         if self.files is not None and _worth_a_file(views):
             message, views = await self._filed(message, views)
-        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        if self._stream is None:
-            await self.comm.write({"m": body, "b": [bytes(v) for v in views]})
-            return
-        head = _HEAD.pack(len(body), len(views)) + b"".join(_SIZE.pack(v.nbytes) for v in views)
-        if lead is not None:
-            first = pickle.dumps(lead, protocol=pickle.HIGHEST_PROTOCOL)
-            head = _HEAD.pack(len(first), 0) + first + head
+            infile = message if type(message) is memfiles.InFile else None
+        try:
+            if callable(lead):
+                lead = lead()
+            body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            if self._stream is None:
+                if lead is not None:
+                    await self.write(lead)
+                await self.comm.write({"m": body, "b": [bytes(v) for v in views]})
+                return
+            head = _HEAD.pack(len(body), len(views)) + b"".join(_SIZE.pack(v.nbytes) for v in views)
+            if lead is not None:
+                first = pickle.dumps(lead, protocol=pickle.HIGHEST_PROTOCOL)
+                head = _HEAD.pack(len(first), 0) + first + head
+        except BaseException:
+            self._give_back(infile)  # nothing of it reached the socket
+            raise
         stream = self._stream
         with self._wlock:
             self._writing += 1
@@ -145,8 +154,8 @@ class FrameStream:
         views = [memoryview(b).cast("B") for b in buffers]
         infile = None
         if sum(v.nbytes for v in views) > _SMALL:
-            if self.files is None or not _worth_a_file(views):
-                return False
+            if self.files is None or not _worth_a_file(views) or self._busy():
+                return False  # the loop's write copies it in its executor, beside other copies
             message, views = self._put(message, views)  # copied here, on the calling thread
             infile = message if isinstance(message, memfiles.InFile) else None
             if infile is None or sum(v.nbytes for v in views) > _SMALL:
@@ -189,6 +198,10 @@ class FrameStream:
             pass
         return True
 
+    def _busy(self) -> bool:
+        """Whether a write from another thread would have to wait for the loop now."""
+        return bool(self._writing or self._backlog is not None or self._stream.writing())
+
     def _put(self, message: Any, views: list) -> tuple[Any, list]:
         """``message`` with its large buffers in a shared-memory file (``memfiles.InFile``),
         or as it was if no file can be made (logged: the socket takes them)."""
@@ -207,7 +220,7 @@ class FrameStream:
             return message, views
 
     def _give_back(self, infile: Any) -> None:
-        if infile is not None:
+        if type(infile) is memfiles.InFile:
             self.files.give_back(infile)
 
     async def _filed(self, message: Any, views: list) -> tuple[Any, list]:
@@ -289,12 +302,14 @@ class FrameStream:
                 try:
                     message, buffers = infile.take(buffers)
                 except OSError as exc:
-                    logger.error(
-                        "daskwg: a message's shared-memory file could not be mapped (%s): closing its stream",
-                        exc,
+                    why = (
+                        f"the shared-memory file of a message from process {infile.described.get('pid')} "
+                        f"could not be mapped here ({exc}); the call stream closes. Set "
+                        "daskwg.shared-memory: false if processes of this host cannot map each other's files"
                     )
+                    logger.error("daskwg: %s", why)
                     self.comm.abort()
-                    raise
+                    raise CommClosedError(why) from exc
         except Exception as exc:  # noqa: BLE001 - tornado's StreamClosedError and socket errors
             raise _closed(self.comm, exc) from None
         return message, buffers
@@ -345,6 +360,9 @@ class FrameStream:
 
     def abort(self) -> None:
         self.comm.abort()
+
+
+_warned = False  # a shared-memory file could not be made: said once at warning level
 
 
 def _worth_a_file(views: list) -> bool:

@@ -28,6 +28,12 @@ send and the claim, so a message in flight is never overwritten. Files are reuse
 as receive buffers are (``daskwg.buffers``); at most ``daskwg.buffer-pool`` bytes of files
 no receiver maps are kept.
 
+A reader's buffers over a shared mapping behave as its own memory, but for one thing: a
+child it forks inherits the mapping shared, not copy-on-write (its in-place changes reach
+the parent's buffers), and holds the file's lock while it lives (the writer then uses
+another file). Call streams on TLS comms use files too: the bytes never leave the host, and
+only processes of the same user (or root) can open another's descriptors.
+
 Which streams use files: both ends on one host (the addresses' host parts), with
 ``daskwg.shared-memory`` on at both, ``memfd_create`` available, and each end able to open
 the other's files, which the stream's opening checks once (:func:`probe`,
@@ -80,6 +86,10 @@ BUFFER_SMALLEST = 1 << 16
 #: Files a process's :class:`SendFiles` keeps open at most (in flight, mapped or free).
 MAX_FILES = 64
 
+#: Seconds after its send from which a file its reader still holds (a kept result) is no
+#: longer mapped by the writer (a file a call holds for its run is written again soon).
+HELD_UNMAP = 2.0
+
 #: Seconds an unclaimed file of a closed stream is kept before it is closed.
 UNCLAIMED_GRACE = 5.0
 
@@ -122,9 +132,15 @@ class File:
         ``claim``)."""
         return int.from_bytes(os.pread(self.fd, 8, 8), "little") == self.generation
 
-    def close(self) -> None:
+    def unmap(self) -> None:
+        """Drop this process's own mapping (its pages then count in no process but the
+        readers'); the next :func:`write` maps it again."""
         if self.mapping is not None:
             self.mapping.close()
+            self.mapping = None
+
+    def close(self) -> None:
+        self.unmap()
         os.close(self.fd)
 
 
@@ -166,7 +182,8 @@ def write(file: File, views: list[memoryview], offsets: list[int]) -> int:
     generation = next(_generations)
     mapping[0:16] = bytes(16)
     for view, offset in zip(views, offsets):
-        mapping[offset : offset + view.nbytes] = view
+        if view.nbytes:  # numpy's copy lets other threads run (the event loop's)
+            np.frombuffer(mapping, np.uint8, view.nbytes, offset)[:] = np.frombuffer(view, np.uint8)
     mapping[0:8] = generation.to_bytes(8, "little")
     file.generation = generation
     return generation
@@ -219,12 +236,12 @@ def open_mapping(described: dict, *, shared: bool = False, claim: bool = False) 
     global _mapped
     with _mapped_lock:
         _mapped += 1
-    weakref.finalize(mapping, _unmapped, fd)
+    weakref.finalize(mapping, _unmapped, fd).atexit = False
     return mapping
 
 
 _mapped = 0  # mappings open_mapping made that are still alive (each holds a descriptor)
-_mapped_lock = threading.Lock()
+_mapped_lock = threading.RLock()  # finalizers may run at any allocation, under it too
 
 
 def _unmapped(fd: int) -> None:
@@ -280,8 +297,8 @@ def can_open(described: dict | None) -> bool:
     """Whether this process can map the peer's :func:`probe` file."""
     if not described or not available():
         return False
-    try:
-        open_mapping(described).close()
+    try:  # as InFile.take maps a file: read-write, shared, claimed
+        open_mapping(described, shared=True, claim=True).close()
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
@@ -352,7 +369,11 @@ class SendFiles:
         if file is None:
             file = create("daskwg-frame", size)
         try:
-            write(file, [v for _, v in large], offsets)
+            fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader while it is written
+            try:
+                write(file, [v for _, v in large], offsets)
+            finally:
+                fcntl.flock(file.fd, fcntl.LOCK_UN)
         except BaseException:
             file.close()
             raise
@@ -385,7 +406,9 @@ class SendFiles:
                         file.close()
                     continue
                 if not file.unused():
-                    if len(self._files) > MAX_FILES:  # the receiver's mapping keeps its pages
+                    if now - file.sent > HELD_UNMAP:  # kept by its reader: its pages count there
+                        file.unmap()
+                    if len(self._files) > MAX_FILES:  # the reader's mapping keeps its pages
                         self._files.remove(file)
                         file.close()
                     continue
@@ -421,7 +444,14 @@ class SendFiles:
             file.close()
 
 
-@functools.cache
+_send_files: tuple[int, SendFiles] | None = None
+
+
 def send_files() -> SendFiles:
-    """This process's :class:`SendFiles`."""
-    return SendFiles()
+    """This process's :class:`SendFiles` (a forked child gets its own: it must not rewrite
+    files its parent sent)."""
+    global _send_files
+    current = _send_files
+    if current is None or current[0] != os.getpid():
+        current = _send_files = (os.getpid(), SendFiles())
+    return current[1]

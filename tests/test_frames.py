@@ -334,3 +334,44 @@ def test_past_the_limit_of_held_mappings_a_reader_copies_and_lets_go_at_once(mon
         files.close()
 
     asyncio.run(main())
+
+
+def test_a_write_cancelled_while_its_file_is_written_takes_no_lead_and_gives_the_file_back():
+    """A write whose buffers are being copied into a file (in the loop's executor) when it
+    is cancelled: its lead (the driver's pending frees) is not taken, and the file it wrote
+    goes back to the pool (the next message of its size reuses it; nothing was sent)."""
+
+    async def main():
+        close, writer, reader = await _pair()
+        files = writer.files = memfiles.SendFiles()
+        leads = []
+
+        def lead():
+            leads.append(1)
+            return ("free", 0, ["k"])
+
+        big = np.ones(64 << 20, dtype=np.uint8)
+        writing = asyncio.ensure_future(writer.write(("call", 0), [big], lead))
+        await asyncio.sleep(0)  # the copy has started in the executor
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        for _ in range(100):  # the copy finishes in its thread, then gives the file back
+            if files.nbytes:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        assert leads == []
+        one = files.nbytes
+        assert one > 64 << 20
+        await writer.write(("call", 1), [big], lead)
+        assert leads == [1]
+        assert (await asyncio.wait_for(reader.read(), 10))[0] == ("free", 0, ["k"])
+        message, got = await asyncio.wait_for(reader.read(), 10)
+        assert message == ("call", 1) and _filed(message, got) and int(got[0].min()) == 1
+        assert files.nbytes == one  # the cancelled write's file, reused
+        del got
+        await close()
+        files.close()
+
+    asyncio.run(main())

@@ -109,6 +109,7 @@ def _write(key: str, packed: serialization.Packed, file: File | None) -> _Segmen
         file = create(f"daskwg-{key}", size)
     try:
         generation = write(file, views, offsets)
+        file.unmap()  # the consumers' mappings hold the pages; this worker's memory does not
     except BaseException:
         file.close()
         raise

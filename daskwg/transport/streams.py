@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed.comm import connect
 
 from .. import memfiles
@@ -77,7 +79,16 @@ class _Stream:
         await comm.write({"op": "daskwg_stream", "reply": False, "files": probe})
         frames = FrameStream(comm)
         if probe is not None:
-            await _agree_on_files(frames)
+            timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+            try:
+                await asyncio.wait_for(_agree_on_files(frames), timeout)
+            except BaseException as exc:
+                comm.abort()
+                if isinstance(exc, (OSError, asyncio.TimeoutError)):
+                    raise OSError(
+                        f"daskwg call stream to {self.address}: no answer to its opening ({exc!r})"
+                    ) from exc
+                raise
         self.frames = frames
         asyncio.ensure_future(self._read(self.frames))
         return self.frames
@@ -96,8 +107,9 @@ class _Stream:
         self.pending[cid] = on_reply
         try:
             async with self._lock:
-                lead = None if self._lead is None else self._lead()
-                await frames.write((message[0], cid, *message[2:]), buffers, lead)
+                # the lead is taken when the message goes (a write cancelled before that,
+                # while its large buffers are copied into a file, leaves it for the next)
+                await frames.write((message[0], cid, *message[2:]), buffers, self._lead)
         except BaseException:
             self.pending.pop(cid, None)
             raise
