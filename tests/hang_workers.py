@@ -35,6 +35,11 @@ class HangWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def head(self, x) -> float:
+        """The sum of the first four elements of ``x`` (a large argument, a small result)."""
+        return float(x[:4].sum())
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def sleep_async(self, seconds: float) -> int:
         time.sleep(seconds)

@@ -394,6 +394,58 @@ def test_ctrl_c_during_a_call_leaves_nothing_waiting_silently(hang_cluster, hcli
         assert len(wg.pid()) == 2
 
 
+_CTRL_C_WHILE_SENDING = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, {tests!r})
+    import torch
+    from distributed import Client
+    import daskwg
+    from daskwg import WorkerGroup
+    from hang_workers import HangWorker
+
+    out = {{"interrupted": 0, "next": []}}
+    with Client({address!r}) as client:
+        wg = WorkerGroup(client, HangWorker, world_size=2)
+        big = torch.ones(25 << 20)  # 100 MiB: copied into a file per rank, or sent over TCP
+        for delay in (0.0005, 0.002, 0.005, 0.01, 0.02, 0.04):
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                wg.head(big)
+            except KeyboardInterrupt:
+                out["interrupted"] += 1
+            timer.join()
+            with daskwg.deadline(30):
+                out["next"].append(wg.head(torch.full((1 << 20,), 2.0)))
+        wg.shutdown()
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "comm"])
+def test_ctrl_c_while_a_large_call_is_written_leaves_no_call_half_sent(hang_cluster, shared_memory):
+    """Ctrl-C at moments spread over a blocking call whose 100 MiB argument takes
+    milliseconds to write (into shared-memory files, or onto sockets): a
+    ``KeyboardInterrupt`` each time, and every next call runs at once with the right
+    result; before, a Ctrl-C while the calling thread wrote left places in the workers'
+    order that no message filled (the next call waited forever), or half-written messages
+    that went out with the next call."""
+    script = _CTRL_C_WHILE_SENDING.format(tests=TESTS_DIR, address=hang_cluster.scheduler_address)
+    env = {**os.environ, "DASK_DASKWG__SHARED_MEMORY": str(shared_memory)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\n[ctrl-c] {out['interrupted']} of 6 large calls interrupted; every next call ran")
+    assert out["interrupted"] >= 3
+    assert out["next"] == [[8.0, 8.0]] * 6
+
+
 _LOCAL_CLUSTER_DRIVER = textwrap.dedent(
     """
     import json, signal, sys, time

@@ -1,15 +1,18 @@
-"""A driver thread's own event loop and connection pool: :class:`Channel`."""
+"""A driver thread's own event loop and connection pool: :class:`Channel`; Ctrl-C held off
+while that thread writes a call (:class:`HeldInterrupt`)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from typing import Any
 
 from distributed.core import ConnectionPool
 
 from .streams import CallStreams
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "HeldInterrupt"]
 
 
 class Channel:
@@ -62,3 +65,41 @@ class Channel:
             self.loop.close()
         except Exception:  # noqa: BLE001 - best effort at garbage collection
             pass
+
+
+class HeldInterrupt:
+    """Ctrl-C (SIGINT) held off from when a blocking call takes its places in the workers'
+    order until its messages are written, when the calling thread writes them itself (its
+    :class:`Channel`): a ``KeyboardInterrupt`` in between would leave a place no message
+    fills, and every later call on those workers would wait behind it (or a half-written
+    message would go out with the thread's next call). Held only in the main thread, and only
+    where SIGINT raises ``KeyboardInterrupt`` (Python's own handler); a Ctrl-C that came
+    meanwhile is raised by :meth:`release`, once the call is on its way: it then runs, as
+    an interrupted call that was sent does (docs/failure-model.md).
+    """
+
+    def __init__(self) -> None:
+        self._came = False
+        self._previous: Any = None
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self._came = True
+
+    def release(self) -> None:
+        """SIGINT as before (idempotent).
+
+        Raises:
+            KeyboardInterrupt: one came while it was held.
+        """
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        self._previous = None
+        if self._came:
+            self._came = False
+            raise KeyboardInterrupt

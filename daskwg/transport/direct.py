@@ -13,6 +13,7 @@ import asyncio
 import functools
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import serialization, wire
@@ -68,6 +69,7 @@ class DirectPath:
         poll: float = 0.2,
         refs: list | None = None,
         relay_wait: float = 10.0,
+        on_sent: Callable[[], None] | None = None,
     ) -> list:
         """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
 
@@ -86,6 +88,8 @@ class DirectPath:
                 (``daskwg.poll-interval``).
             refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s, or ``None``.
             relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+            on_sent: called once every call is written (or its writing failed, or ``grace``
+                passed): :meth:`daskwg.transport.channel.HeldInterrupt.release`.
         Returns:
             the per-rank results, in the order of ``calls``.
         Raises:
@@ -110,6 +114,11 @@ class DirectPath:
             else:
                 s.set_result(None)
             tasks.append(replied)
+        if on_sent is not None:
+            writing = [s for s in sent if not s.done()]
+            if writing:  # bounded: a worker may not be reading
+                await asyncio.wait(writing, timeout=max(grace, poll))
+            on_sent()
         lost = await self._wait(calls, tasks, limit, poll)
         for i in lost:
             # Its answer, if any, would come only after the partition: the call is given

@@ -24,6 +24,7 @@ from ..deadlines import current_limit
 from ..errors import DispatchError, WorkerGroupError
 from ..wire import Call
 from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays, ref_keys
+from .channel import HeldInterrupt
 from .direct import DirectPath
 from .driver import Driver, GroupRanks
 from .failures import FailureState
@@ -234,6 +235,8 @@ class GroupTransport:
         if not blocking:
             return self.submit.submit(calls, packed, refs, keep, settings)
         channel = driver.channel()
+        # This thread writes the calls itself: a Ctrl-C waits until they are on their way.
+        held = None if channel is None else HeldInterrupt()
         try:
             if channel is None:
                 client = self.ranks.client
@@ -264,12 +267,16 @@ class GroupTransport:
                     settings.poll_interval,
                     refs,
                     settings.relay_wait,
+                    held.release,
                 ),
                 fresh=False,
             )
         except (KeyboardInterrupt, asyncio.CancelledError):
             failures.abandon_calls(calls, "interrupted")
             raise
+        finally:
+            if held is not None:
+                held.release()
 
     def gather(self, futures: list[Future], method_name: str) -> list:
         """:meth:`Waiter.gather` with the settings in force now."""
