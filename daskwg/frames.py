@@ -20,6 +20,7 @@ Comms without a byte stream (in-process ones) carry the same frames as Dask mess
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import pickle
 import struct
@@ -302,10 +303,13 @@ class FrameStream:
                 try:
                     message, buffers = infile.take(buffers)
                 except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        hint = "this process has too many open files: raise its limit (ulimit -n)"
+                    else:
+                        hint = "set daskwg.shared-memory: false if processes of this host cannot map each other's files"
                     why = (
-                        f"the shared-memory file of a message from process {infile.described.get('pid')} "
-                        f"could not be mapped here ({exc}); the call stream closes. Set "
-                        "daskwg.shared-memory: false if processes of this host cannot map each other's files"
+                        f"a shared-memory file of a message from process {infile.where[0][1].get('pid')} "
+                        f"could not be mapped here ({exc}); the call stream closes: {hint}"
                     )
                     logger.error("daskwg: %s", why)
                     self.comm.abort()
@@ -366,8 +370,8 @@ _warned = False  # a shared-memory file could not be made: said once at warning 
 
 
 def _worth_a_file(views: list) -> bool:
-    """Whether a message's large buffers come to :data:`daskwg.memfiles.SMALLEST` bytes."""
-    return sum(v.nbytes for v in views if v.nbytes >= memfiles.BUFFER_SMALLEST) >= memfiles.SMALLEST
+    """Whether a message has a buffer of :data:`daskwg.memfiles.BUFFER_SMALLEST` bytes or more."""
+    return any(v.nbytes >= memfiles.BUFFER_SMALLEST for v in views)
 
 
 def _closed(comm: Any, exc: BaseException) -> Exception:

@@ -7,10 +7,11 @@ Two routes move bytes between processes of one host through anonymous shared-mem
   writes a result once, each consumer maps it copy-on-write.
 * **Large frames of a call stream** (:class:`daskwg.frames.FrameStream`, this module's
   :class:`SendFiles`): a call's arguments sent by a driver to a worker of its own host, and
-  the reply coming back. The sender copies the message's large buffers into a file (one
-  copy, at memory speed: a 64 MiB batch takes about 13 ms here where loopback TCP takes 34
-  ms to send and as long again to receive) and sends only where the file is; the receiver
-  maps it and takes the buffers as its own. Ray moves large arguments and results between a
+  the reply coming back. The sender copies each buffer of a megabyte or more into a file
+  of its own (one copy, at memory speed: a 64 MiB batch takes about 13 ms here where
+  loopback TCP takes 34 ms to send and as long again to receive) and sends only where the
+  files are; the receiver maps them and takes the buffers as its own (a buffer it keeps
+  holds its own file only, as a received one holds its own memory). Ray moves large arguments and results between a
   driver and its actors on one node the same way (its object store, in shared memory).
 
 A file is named to a peer by its writer's process id and descriptor (the peer opens
@@ -62,7 +63,7 @@ from .buffers import pool_limit, receive_buffer
 
 __all__ = [
     "File",
-    "SMALLEST",
+    "BUFFER_SMALLEST",
     "SendFiles",
     "InFile",
     "available",
@@ -76,12 +77,9 @@ __all__ = [
     "write",
 ]
 
-#: Bytes of a message's large buffers below which a stream sends them over the socket (a
-#: file costs a few system calls on each side, and a page per buffer).
-SMALLEST = 1 << 20
-
-#: Bytes from which a buffer of a message goes into the file (smaller ones stay inline).
-BUFFER_SMALLEST = 1 << 16
+#: Bytes from which a buffer of a message goes into a shared-memory file of its own
+#: (smaller ones go over the socket: a file costs a few system calls on each side).
+BUFFER_SMALLEST = 1 << 20
 
 #: Files a process's :class:`SendFiles` keeps open at most (in flight, mapped or free).
 MAX_FILES = 64
@@ -233,10 +231,13 @@ def open_mapping(described: dict, *, shared: bool = False, claim: bool = False) 
     except BaseException:
         os.close(fd)
         raise
+    # The mapping keeps a duplicate of the descriptor (mmap's own), which shares its open
+    # file and so its lock until the mapping closes: one descriptor per mapping, not two.
+    os.close(fd)
     global _mapped
     with _mapped_lock:
         _mapped += 1
-    weakref.finalize(mapping, _unmapped, fd).atexit = False
+    weakref.finalize(mapping, _unmapped).atexit = False
     return mapping
 
 
@@ -244,9 +245,8 @@ _mapped = 0  # mappings open_mapping made that are still alive (each holds a des
 _mapped_lock = threading.RLock()  # finalizers may run at any allocation, under it too
 
 
-def _unmapped(fd: int) -> None:
+def _unmapped() -> None:
     global _mapped
-    os.close(fd)
     with _mapped_lock:
         _mapped -= 1
 
@@ -305,40 +305,42 @@ def can_open(described: dict | None) -> bool:
 
 
 class InFile:
-    """A frame's message whose large buffers are in a shared-memory file: ``message``, the
-    file's description, and which buffers of the message (``where``: its position among
-    them, offset and bytes) are there; the others came with the frame."""
+    """A frame's message whose large buffers are in shared-memory files, one file each:
+    ``message``, and per such buffer its position among the message's buffers and its
+    file's description (:func:`describe`); the others came with the frame. One file per
+    buffer: a tensor the reader keeps holds its own bytes only, as a received buffer does."""
 
-    __slots__ = ("message", "described", "where")
+    __slots__ = ("message", "where")
 
-    def __init__(self, message: Any, described: dict, where: list[tuple[int, int, int]]):
+    def __init__(self, message: Any, where: list[tuple[int, dict]]):
         self.message = message
-        self.described = described
         self.where = where
 
     def __reduce__(self) -> Any:
-        return (InFile, (self.message, self.described, self.where))
+        return (InFile, (self.message, self.where))
 
     def take(self, inline: list) -> tuple[Any, list]:
-        """The message and all its buffers, those in the file as writable arrays over a
-        shared mapping of it (claimed: the sender may reuse it once they are gone).
+        """The message and all its buffers, those in files as writable arrays over shared
+        mappings of them (claimed: the sender may reuse each once its array is gone). Past
+        ``_mapped_limit`` mappings held in this process the bytes are copied out instead
+        and the file let go of at once (a caller keeping every result would otherwise use
+        up its descriptors).
 
         Raises:
-            OSError: the file cannot be mapped here.
+            OSError: a file cannot be mapped here.
         """
-        mapping = open_mapping(self.described, shared=True, claim=True)
         buffers: list = [None] * (len(inline) + len(self.where))
-        for index, offset, nbytes in self.where:
-            buffers[index] = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset)
-        if _mapped > _mapped_limit():
-            # Held mappings would use up the descriptors (a caller keeping every result):
-            # this one's bytes are copied out and the file let go of at once.
-            for index, _, nbytes in self.where:
+        for index, described in self.where:
+            mapping = open_mapping(described, shared=True, claim=True)
+            nbytes = described["size"] - PAGE
+            view = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=PAGE)
+            if _mapped > _mapped_limit():
                 own = receive_buffer(nbytes)
-                own[:] = buffers[index]
-                buffers[index] = own
-            del own
-            mapping.close()
+                own[:] = view
+                del view
+                mapping.close()
+                view = own
+            buffers[index] = view
         rest = iter(inline)
         for i, b in enumerate(buffers):
             if b is None:
@@ -354,24 +356,35 @@ class SendFiles:
         self._files: list[File] = []  # every file this process keeps, oldest first
 
     def put(self, message: Any, views: list[memoryview], alive: Callable[[], bool]) -> tuple[InFile, list]:
-        """``message`` with ``views`` of :data:`BUFFER_SMALLEST` bytes or more copied into a
-        file (reused, or new), the others left to go inline; ``alive``: whether the stream
-        it is sent on still lives (an unclaimed file of a closed one is closed).
+        """``message`` with each of ``views`` of :data:`BUFFER_SMALLEST` bytes or more copied
+        into a file of its own (reused, or new), the others left to go inline; ``alive``:
+        whether the stream it is sent on still lives (an unclaimed file of a closed one is
+        closed).
 
         Raises:
             OSError: no file could be made (the caller sends the message over the socket).
         """
-        where, large, inline = [], [], []
-        for i, view in enumerate(views):
-            (large if view.nbytes >= BUFFER_SMALLEST else inline).append((i, view))
-        offsets, size = layout([v for _, v in large])
+        where, inline = [], []
+        try:
+            for i, view in enumerate(views):
+                if view.nbytes < BUFFER_SMALLEST:
+                    inline.append(view)
+                    continue
+                where.append((i, self._write_one(view, alive)))
+        except BaseException:
+            self.give_back(InFile(message, where))
+            raise
+        return InFile(message, where), inline
+
+    def _write_one(self, view: memoryview, alive: Callable[[], bool]) -> dict:
+        offsets, size = layout([view])
         file = self._take(size)
         if file is None:
             file = create("daskwg-frame", size)
         try:
             fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader while it is written
             try:
-                write(file, [v for _, v in large], offsets)
+                write(file, [view], offsets)
             finally:
                 fcntl.flock(file.fd, fcntl.LOCK_UN)
         except BaseException:
@@ -380,17 +393,15 @@ class SendFiles:
         file.alive, file.sent = alive, time.monotonic()
         with self._lock:
             self._files.append(file)
-        for (i, view), offset in zip(large, offsets):
-            where.append((i, offset, view.nbytes))
-        return InFile(message, describe(file, size), where), [v for _, v in inline]
+        return describe(file, size)
 
     def give_back(self, infile: InFile) -> None:
-        """A file :meth:`put` wrote whose message was not sent after all: free again."""
+        """Files :meth:`put` wrote whose message was not sent after all: free again."""
+        mine = {(d["fd"], d["generation"]) for _, d in infile.where}
         with self._lock:
             for file in self._files:
-                if file.fd == infile.described["fd"] and file.generation == infile.described["generation"]:
+                if (file.fd, file.generation) in mine:
                     os.pwrite(file.fd, file.generation.to_bytes(8, "little"), 8)
-                    return
 
     def _take(self, size: int) -> File | None:
         """A kept file of ``size`` to ``size`` + 25% bytes that its receiver let go of (claimed

@@ -398,6 +398,10 @@ _CTRL_C_WHILE_SENDING = textwrap.dedent(
     """
     import json, os, signal, sys, threading
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if {own_handler!r}:  # a training script's own handler, which raises too
+        def on_sigint(signum, frame):
+            raise KeyboardInterrupt("the program's own handler")
+        signal.signal(signal.SIGINT, on_sigint)
     sys.path.insert(0, {tests!r})
     import torch
     from distributed import Client
@@ -426,15 +430,23 @@ _CTRL_C_WHILE_SENDING = textwrap.dedent(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "comm"])
-def test_ctrl_c_while_a_large_call_is_written_leaves_no_call_half_sent(hang_cluster, shared_memory):
+@pytest.mark.parametrize(
+    ("shared_memory", "own_handler"),
+    [(True, False), (False, False), (True, True)],
+    ids=["shared-memory", "comm", "shared-memory-own-handler"],
+)
+def test_ctrl_c_while_a_large_call_is_written_leaves_no_call_half_sent(
+    hang_cluster, shared_memory, own_handler
+):
     """Ctrl-C at moments spread over a blocking call whose 100 MiB argument takes
     milliseconds to write (into shared-memory files, or onto sockets): a
     ``KeyboardInterrupt`` each time, and every next call runs at once with the right
     result; before, a Ctrl-C while the calling thread wrote left places in the workers'
     order that no message filled (the next call waited forever), or half-written messages
     that went out with the next call."""
-    script = _CTRL_C_WHILE_SENDING.format(tests=TESTS_DIR, address=hang_cluster.scheduler_address)
+    script = _CTRL_C_WHILE_SENDING.format(
+        tests=TESTS_DIR, address=hang_cluster.scheduler_address, own_handler=own_handler
+    )
     env = {**os.environ, "DASK_DASKWG__SHARED_MEMORY": str(shared_memory)}
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=200

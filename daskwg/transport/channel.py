@@ -72,18 +72,19 @@ class HeldInterrupt:
     order until its messages are written, when the calling thread writes them itself (its
     :class:`Channel`): a ``KeyboardInterrupt`` in between would leave a place no message
     fills, and every later call on those workers would wait behind it (or a half-written
-    message would go out with the thread's next call). Held only in the main thread, and only
-    where SIGINT raises ``KeyboardInterrupt`` (Python's own handler); a Ctrl-C that came
-    meanwhile is raised by :meth:`release`, once the call is on its way: it then runs, as
-    an interrupted call that was sent does (docs/failure-model.md).
+    message would go out with the thread's next call). Held only in the main thread (where
+    Python runs signal handlers), and only where SIGINT has a Python handler (its own, which
+    raises ``KeyboardInterrupt``, or the program's): a Ctrl-C that came meanwhile goes to
+    that handler in :meth:`release`, once the call is on its way; the call then runs, as an
+    interrupted call that was sent does (docs/failure-model.md). Other signals whose
+    handlers raise are not held.
     """
 
     def __init__(self) -> None:
         self._came = False
         self._previous: Any = None
-        if (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if threading.current_thread() is threading.main_thread() and callable(
+            signal.getsignal(signal.SIGINT)
         ):
             self._previous = signal.signal(signal.SIGINT, self._note)
 
@@ -91,15 +92,17 @@ class HeldInterrupt:
         self._came = True
 
     def release(self) -> None:
-        """SIGINT as before (idempotent).
+        """SIGINT as before (idempotent); a SIGINT that came while held goes to its handler now.
 
         Raises:
-            KeyboardInterrupt: one came while it was held.
+            KeyboardInterrupt: one came while held (Python's handler), or what the
+                program's handler raises.
         """
-        if self._previous is None:
+        previous = self._previous
+        if previous is None:
             return
-        signal.signal(signal.SIGINT, self._previous)
+        signal.signal(signal.SIGINT, previous)
         self._previous = None
         if self._came:
             self._came = False
-            raise KeyboardInterrupt
+            previous(signal.SIGINT, None)
