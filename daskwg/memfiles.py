@@ -81,8 +81,23 @@ __all__ = [
 #: (smaller ones go over the socket: a file costs a few system calls on each side).
 BUFFER_SMALLEST = 1 << 20
 
-#: Files a process's :class:`SendFiles` keeps open at most (in flight, mapped or free).
-MAX_FILES = 64
+#: Files a process's :class:`SendFiles` keeps open at most (in flight, mapped or free), by
+#: default: an eighth of the descriptor limit (each costs two), within 64 and 2048. A weight
+#: sync of 32 tensors to 4 ranks through the driver writes 128 per step.
+MAX_FILES: int | None = None
+
+
+@functools.cache
+def _max_files() -> int:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(64, min(2048, (soft if soft > 0 else 1024) // 8))
+
+#: Bytes up to which a writer keeps its own mapping of a file between writes (mapping
+#: again costs a fifth of the copy); a larger file's pages count in its readers only, so a
+#: driver sending a large batch does not hold it twice.
+KEEP_MAPPED = 32 << 20
 
 #: Seconds after its send from which a file its reader still holds (a kept result) is no
 #: longer mapped by the writer (a file a call holds for its run is written again soon).
@@ -385,6 +400,8 @@ class SendFiles:
             fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader while it is written
             try:
                 write(file, [view], offsets)
+                if size > KEEP_MAPPED:
+                    file.unmap()
             finally:
                 fcntl.flock(file.fd, fcntl.LOCK_UN)
         except BaseException:
@@ -419,7 +436,7 @@ class SendFiles:
                 if not file.unused():
                     if now - file.sent > HELD_UNMAP:  # kept by its reader: its pages count there
                         file.unmap()
-                    if len(self._files) > MAX_FILES:  # the reader's mapping keeps its pages
+                    if len(self._files) > (MAX_FILES or _max_files()):  # the reader's mapping keeps its pages
                         self._files.remove(file)
                         file.close()
                     continue
@@ -433,7 +450,7 @@ class SendFiles:
                 free -= best.capacity
             limit = pool_limit()
             for file in list(self._files):
-                if free <= limit and len(self._files) <= MAX_FILES:
+                if free <= limit and len(self._files) <= (MAX_FILES or _max_files()):
                     break
                 if file.claimed() and file.unused():
                     self._files.remove(file)
