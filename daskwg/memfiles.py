@@ -94,6 +94,7 @@ def _max_files() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return max(64, min(2048, (soft if soft > 0 else 1024) // 8))
 
+
 #: Bytes up to which a writer keeps its own mapping of a file between writes (mapping
 #: again costs a fifth of the copy); a larger file's pages count in its readers only, so a
 #: driver sending a large batch does not hold it twice.
