@@ -423,7 +423,9 @@ def evaluate(plan: tuple, lengths: list[int], metas: list, fetch: Callable[[int,
         metas: ``meta_info`` of every part (``None`` for TensorDict parts).
         fetch: ``(part, start, stop, columns) -> rows [start, stop) of that part``,
             ``columns`` being ``None`` (all) or ``(batch_keys, non_tensor_batch_keys)``
-            (each a set, or ``None`` for all), ``meta_info`` left out.
+            (each a set, or ``None`` for all), ``meta_info`` left out; runs of rows over
+            several parts go through its ``many([(part, start, stop, columns), ...])``
+            where it has one (those rows concatenated, fetched all at once).
     Returns:
         the DataProto (or TensorDict) the plan stands for: all its rows, or piece
         ``rows[0]`` of ``rows[1]`` as ``DataProto.chunk`` would cut it.
@@ -513,18 +515,18 @@ def _eval_base(base: tuple, idx: np.ndarray, columns: Any, lengths, metas, fetch
         return data.select_idxs(idx) if isinstance(data, DataProto) else data[torch.from_numpy(idx)]
     _, part_numbers, _ = base
     lo, hi = (int(idx.min()), int(idx.max()) + 1) if len(idx) else (0, 0)
-    pieces = []
-    offset = 0
+    wanted, offset = [], 0  # (part, start, stop, columns) of every part the rows touch
     for part in part_numbers:
-        n = lengths[part]
-        start, stop = max(lo, offset), min(hi, offset + n)
-        if start < stop or (not pieces and part == part_numbers[-1]):
-            pieces.append(fetch(part, start - offset, max(start, stop) - offset, columns))
-        offset += n
-    value = pieces[0] if len(pieces) == 1 else concat_parts(pieces)
+        start, stop = max(lo, offset), min(hi, offset + lengths[part])
+        if start < stop or (not wanted and part == part_numbers[-1]):
+            wanted.append((part, start - offset, max(start, stop) - offset, columns))
+        offset += lengths[part]
+    if len(wanted) > 1 and hasattr(fetch, "many"):
+        value = fetch.many(wanted)
+    else:
+        value = concat_parts([fetch(*request) for request in wanted])
     if isinstance(value, DataProto):
-        part_metas = [metas[p] for p in part_numbers if metas[p] is not None]
-        value.meta_info = _merged_meta(part_metas)
+        value.meta_info = _merged_meta([metas[p] for p in part_numbers if metas[p] is not None])
     if len(idx) and not (idx[0] == lo and idx[-1] == hi - 1 and len(idx) == hi - lo):
         local = idx - lo
         value = value.select_idxs(local) if isinstance(value, DataProto) else value[torch.from_numpy(local)]

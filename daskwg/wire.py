@@ -61,7 +61,8 @@ RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 #: ``MASTER_PORT``; ``daskwg_release`` destroys a departed driver's ranks;
 #: ``daskwg_memory`` the worker's memory figures; ``daskwg_progress`` the last finished
 #: call of a driver; ``daskwg_status`` the status records; ``daskwg_metrics`` the call
-#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part; ``daskwg_fetch``
+#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part; ``daskwg_write_rows``
+#: writes such rows into a consumer's shared-memory file; ``daskwg_fetch``
 #: a stored result (waiting for it); ``daskwg_part_info`` a stored part's :class:`PartInfo`;
 #: ``daskwg_free`` drops stored results the driver let go of; ``daskwg_relay`` streams a
 #: stored or relayed result to the next consumer of a broadcast; ``daskwg_stream`` opens a
@@ -77,6 +78,7 @@ HANDLERS = (
     "daskwg_status",
     "daskwg_metrics",
     "daskwg_rows",
+    "daskwg_write_rows",
     "daskwg_fetch",
     "daskwg_part_info",
     "daskwg_free",
@@ -182,6 +184,9 @@ class PartInfo:
         dataproto_class: ``"module:qualname"`` of the part's class when it is a DataProto
             other than daskwg's (verl's ``"verl.protocol:DataProto"``); a consumer gets that
             class back where it is loaded.
+        columns: its batch's columns, ``((key, dtype name, trailing shape, device), ...)``,
+            where it is a ``DataProto`` of dense CPU tensors only
+            (:func:`daskwg.plugin.gathered.columns_of`); ``None`` otherwise.
     """
 
     address: str
@@ -189,6 +194,7 @@ class PartInfo:
     rows: int
     meta_info: dict | None
     dataproto_class: str | None = None
+    columns: tuple | None = None
 
 
 def session_id(client_id: str, epoch: int) -> str:

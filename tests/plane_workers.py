@@ -46,18 +46,28 @@ def _tcp_info_total(offset: int) -> int:
     return total
 
 
+def gathered_files(dask_worker=None) -> dict:
+    """This process's files of rows gathered by their producers: ``{"free": n, "made": n}``."""
+    from daskwg.plugin import gathered
+
+    return gathered.counts()
+
+
 def no_shared_memory(side: str, dask_worker=None) -> None:
-    """Fault injection: this worker cannot make (``"producer"``) or map (``"consumer"``)
-    shared-memory files; ``"undo"`` undoes both."""
-    from daskwg.plugin import inputs, shared
+    """Fault injection: this worker cannot make (``"producer"``: nor write into a
+    consumer's) or map (``"consumer"``) shared-memory files; ``"undo"`` undoes both."""
+    from daskwg.plugin import gathered, inputs, shared
 
     def refuse(*_):
         raise OSError("/proc/<pid>/fd is not ours to open here (fault injection)")
 
-    saved = dask_worker.__dict__.setdefault("_daskwg_saved", (shared.available, inputs.attach))
-    shared.available, inputs.attach = saved
+    saved = dask_worker.__dict__.setdefault(
+        "_daskwg_saved", (shared.available, inputs.attach, gathered._write_rows)
+    )
+    shared.available, inputs.attach, gathered._write_rows = saved
     if side == "producer":
         shared.available = lambda: False
+        gathered._write_rows = refuse
     elif side == "consumer":
         inputs.attach = refuse
 
@@ -73,6 +83,16 @@ class Producer(Worker):
         return DataProto.from_dict(
             {"id": ids.clone(), "x": x, "noise": torch.zeros(len(ids), cols)},
             non_tensors={"tag": np.array([f"row{i}" for i in ids.tolist()], dtype=object)},
+            meta_info={"producer_world": self.world_size},
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make_dense(self, seed: DataProto) -> DataProto:
+        """As :meth:`make`, tensors only (``x`` float32, ``mask`` bool, ``id`` int64)."""
+        ids = seed.batch["id"]
+        x = ids.to(torch.float32)[:, None].expand(-1, seed.meta_info.get("cols", 4)).contiguous()
+        return DataProto.from_dict(
+            {"id": ids.clone(), "x": x, "mask": (ids % 2 == 0)[:, None].expand(-1, 3).contiguous()},
             meta_info={"producer_world": self.world_size},
         )
 
@@ -110,6 +130,8 @@ class Consumer(Worker):
             out["x_ok"] = bool((data.batch["x"] == data.batch["id"].to(torch.float32)[:, None]).all())
         if "y" in data.batch.keys():
             out["y"] = data.batch["y"].tolist()
+        if "mask" in data.batch.keys():
+            out["mask_ok"] = bool((data.batch["mask"] == (data.batch["id"] % 2 == 0)[:, None]).all())
         if "tag" in data.non_tensor_batch:
             out["tag"] = list(data.non_tensor_batch["tag"])
         return out

@@ -23,7 +23,15 @@ import torch
 from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.sizeof import sizeof
 from distributed import Client, wait
-from plane_workers import Consumer, Producer, Stateful, no_shared_memory, tcp_bytes_received, tcp_bytes_sent
+from plane_workers import (
+    Consumer,
+    Producer,
+    Stateful,
+    gathered_files,
+    no_shared_memory,
+    tcp_bytes_received,
+    tcp_bytes_sent,
+)
 
 from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup, serialization
 
@@ -137,6 +145,62 @@ def test_rows_that_cannot_be_mapped_come_over_the_comm_and_only_they(plane, side
         assert all(0.5 * share < after[a] - before[a] <= 1.25 * share for a in consumers.workers)
     finally:
         client.run(no_shared_memory, "undo", workers=where)
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("m", "n", "rows"), [(4, 2, 1024), (3, 2, 1022)])
+def test_rows_spanning_parts_of_one_host_are_written_by_their_producers_into_the_consumers_file(
+    plane, m, n, rows
+):
+    # A consumer reading rows of several parts on its host (dense tensors only) lays its
+    # batch out in a file of its own and each producer writes its rows there: no socket
+    # carries them, the rank gets them concatenated, and changing them in place reaches no
+    # producer. The file comes back to the consumer's pool when the rank lets go of it.
+    client, pool = plane
+    producers, consumers = groups(client, pool, [m, n], Producer, Consumer)
+    try:
+        future = producers.make_dense(seed(rows))
+        wait(list(future.futures))
+        made = client.run(gathered_files, workers=consumers.workers)
+        before = received(client, consumers.workers)
+        ids = consumers.scribble(future)  # x negated in place on the consumers
+        after = received(client, consumers.workers)
+        between = client.run(gathered_files, workers=consumers.workers)
+        assert [i for part in ids for i in part] == list(range(rows))  # 1022 rows on 3: parts cut unevenly
+        share = rows * (COLS * 4 + 8 + 3) / n
+        assert all(after[a] - before[a] < 0.05 * share for a in consumers.workers), (before, after, share)
+        out = consumers.summary(future)  # the same rows again: as made, into the same files
+        bounds = np.cumsum([0] + [rows // n + (r < rows % n) for r in range(n)])
+        assert [o["ids"] for o in out] == [list(range(bounds[r], bounds[r + 1])) for r in range(n)]
+        assert all(o["x_ok"] and o["mask_ok"] for o in out), "a consumer's in-place change reached a producer"
+        assert all(o["meta"] == {"producer_world": m} for o in out)
+        assert all(o["keys"] == ["id", "mask", "x"] and o["non_tensor"] == [] for o in out)
+        now = client.run(gathered_files, workers=consumers.workers)
+        assert all(between[a]["made"] >= 1 for a in consumers.workers), between  # the consumers' own files
+        assert all(between[a]["made"] - made[a]["made"] <= 1 for a in consumers.workers), (made, between)
+        assert all(now[a]["made"] == between[a]["made"] for a in consumers.workers), (between, now)  # reused
+        picked = consumers.summary(future.select(batch_keys=["id", "x"]))
+        assert [o["keys"] for o in picked] == [["id", "x"]] * n and all(o["x_ok"] for o in picked)
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_rows_a_producer_cannot_write_into_the_consumers_file_come_the_usual_way(plane):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [4, 2], Producer, Consumer)
+    client.run(no_shared_memory, "producer", workers=producers.workers[1:2])
+    try:
+        future = producers.make_dense(seed())
+        wait(list(future.futures))
+        out = consumers.summary(future)
+        assert [i for o in out for i in o["ids"]] == list(range(ROWS))
+        assert all(o["x_ok"] and o["mask_ok"] for o in out)
+    finally:
+        client.run(no_shared_memory, "undo", workers=producers.workers[1:2])
         producers.shutdown()
         consumers.shutdown()
 

@@ -203,7 +203,8 @@ class Inputs:
             refs = [v if isinstance(v, ResultRef) else getattr(v, "ref", None) for v in values]
             shared = {n: ref for n, ref in enumerate(refs) if ref is not None and ref.shared}
             mapped = functools.partial(self._mapped, shared) if shared else None
-            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get, mapped)
+            write = functools.partial(self._write_rows, shared) if shared else None
+            return rows.evaluate_on_worker(lazy.spec, fetched, self.worker, self.store.get, mapped, write)
         if len(fetched) == 1 and not isinstance(values[0], (_Fetched, _Local, ResultRef)):
             # Resolved by Dask (the task path): a part produced on this worker arrives as
             # the very object Dask keeps for its future, which a method that changes its
@@ -228,27 +229,63 @@ class Inputs:
             raise _FetchFailed(exc) from None
         return value
 
-    def _mapped(self, refs: dict[int, ResultRef], part: int) -> Any:
-        """On the host thread: part ``part`` of a ``DataProtoFuture`` whose worker is on this
-        host, mapped copy-on-write from the shared-memory file that worker writes it into;
-        ``None``: it is small or cannot be mapped here, fetch its rows over the comm.
+    def _mapped(self, refs: dict[int, ResultRef], parts: list[int]) -> list[Any]:
+        """On the host thread: each of ``parts`` of a ``DataProtoFuture`` whose worker is on
+        this host, mapped copy-on-write from the shared-memory file that worker writes it
+        into (all asked for at once); ``None`` for one that is small or cannot be mapped
+        here: its rows come over the comm.
 
         Raises:
-            GroupBrokenError: the part was released. WorkerLostError: its worker is gone.
+            GroupBrokenError: a part was released. WorkerLostError: its worker is gone.
         """
-        ref = refs.get(part)
-        if ref is None:
-            return None
+        asked = [refs.get(part) for part in parts]
+
+        async def ask_all() -> list:
+            return await asyncio.gather(
+                *(self._ask(ref, "daskwg_shared", finished=True) for ref in asked if ref is not None)
+            )
+
         try:
-            response = sync(self.worker.loop, lambda: self._ask(ref, "daskwg_shared", finished=True))
+            responses = iter(sync(self.worker.loop, ask_all) if any(asked) else ())
         except WorkerGroupError as exc:
             raise _FetchFailed(exc) from None
-        if response["status"] != "shared":
-            return None
-        try:
-            return attach(response)
-        except Exception:  # noqa: BLE001 - another PID namespace, /proc hidden: over the comm
-            return None
+        out = []
+        for ref in asked:
+            response = next(responses) if ref is not None else None
+            if response is None or response["status"] != "shared":
+                out.append(None)
+                continue
+            try:
+                out.append(attach(response))
+            except Exception:  # noqa: BLE001 - another PID namespace, /proc hidden: over the comm
+                out.append(None)
+        return out
+
+    def _write_rows(self, refs: dict[int, ResultRef], asks: list[tuple]) -> list[dict]:
+        """On the host thread: ``daskwg_write_rows`` of each ``(part, start, stop, target)``,
+        asked at once; returns once every producer answered (``{"status": "unavailable"}``
+        for a part not of this host).
+
+        Raises:
+            GroupBrokenError: a part was released. WorkerLostError: its worker is gone.
+        """
+
+        async def ask(part: int, start: int, stop: int, target: dict) -> dict:
+            ref = refs.get(part)
+            if ref is None:
+                return {"status": "unavailable"}
+            return await self._ask(ref, "daskwg_write_rows", start=start, stop=stop, target=target)
+
+        async def ask_all() -> list:
+            return await asyncio.gather(*(ask(*a) for a in asks), return_exceptions=True)
+
+        answers = sync(self.worker.loop, ask_all)
+        for answer in answers:
+            if isinstance(answer, WorkerGroupError):
+                raise _FetchFailed(answer)
+            if isinstance(answer, BaseException):
+                raise answer
+        return answers
 
     def _local(self, local: _Local) -> Any:
         # A result kept on this worker: the call that makes it ran earlier on this host

@@ -18,6 +18,7 @@ what the rank changes stays its own.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from distributed import get_worker
@@ -26,9 +27,10 @@ from distributed.utils import sync
 
 from .. import foreign, serialization
 from ..errors import GroupBrokenError
-from ..futures import evaluate, rows_of, select_columns
+from ..futures import concat_parts, evaluate, rows_of, select_columns
 from ..protocol import DataProto
 from ..wire import PartInfo
+from . import gathered
 
 __all__ = ["part_info", "part_info_of", "part_released", "evaluate_on_worker", "install", "MAP_FRACTION"]
 
@@ -65,7 +67,7 @@ def part_info_of(value: Any, key: str, address: str) -> PartInfo:
     foreign_class = foreign.class_name(type(value)) if foreign.is_verl_dataproto(value) else None
     value = foreign.to_native(value) if foreign_class is not None else value
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
-    return PartInfo(address, key, rows_of(value), meta, foreign_class)
+    return PartInfo(address, key, rows_of(value), meta, foreign_class, gathered.columns_of(value))
 
 
 def part_released(key: str, address: str) -> GroupBrokenError:
@@ -110,10 +112,11 @@ def install(worker: Any, lookup: Any) -> None:
         return {"data": to_serialize(serialization.dumps(piece))}
 
     worker.handlers["daskwg_rows"] = handle_rows
+    gathered.install(worker, lookup, _value, part_released)
 
 
 def evaluate_on_worker(
-    plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any = None
+    plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any = None, write: Any = None
 ) -> Any:
     """The value of a ``DataProtoFuture``'s plan for this rank, fetching only its rows.
 
@@ -122,17 +125,24 @@ def evaluate_on_worker(
         infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
         lookup: ``key -> stored value`` of parts on this worker.
-        mapped: ``part number -> the whole part mapped copy-on-write from its worker's
-            shared-memory file, or None`` (``daskwg.plugin.shared``), asked for parts of
-            another worker of this host of which this rank reads at least a quarter
-            (:data:`MAP_FRACTION`): its rows are then sliced from the mapping, not sent
-            over a socket. ``None``: every such part comes over the comm.
+        mapped: ``[part number, ...] -> [the whole part mapped copy-on-write from its
+            worker's shared-memory file, or None, ...]`` (``daskwg.plugin.shared``), asked
+            (concurrently) for the parts of another worker of this host of which this rank
+            reads at least a quarter (:data:`MAP_FRACTION`): their rows are then sliced from
+            the mapping, not sent over a socket. ``None``: every such part comes over the
+            comm.
+        write: ``[(part, start, stop, target), ...] -> answers`` of ``daskwg_write_rows``
+            (asked concurrently) for parts of other workers of this host: where a run of
+            rows spans several such parts of dense tensors, their producers write the rows
+            straight into one file of this process (:func:`daskwg.plugin.gathered.gather`).
+            ``None``: never.
 
     Returns:
         a daskwg ``DataProto`` or ``TensorDict``; verl's ``DataProto`` when every part is one.
 
     Runs on the host thread of the consuming worker; fetches go through that
-    worker's event loop and connection pool (its TLS settings included).
+    worker's event loop and connection pool (its TLS settings included), those of the
+    parts that one run of rows spans all at once.
 
     Raises:
         GroupBrokenError: a part is no longer held where its info says.
@@ -140,41 +150,114 @@ def evaluate_on_worker(
         KeyError, ValueError: as the eager ``DataProto`` operations of the plan.
     """
 
-    read: set[int] = set()  # parts already sliced from their mapping
-
-    def fetch(part: int, start: int, stop: int, columns: Any) -> Any:
-        info = infos[part]
-        if (
-            mapped is not None
-            and info.address != worker.address
-            and (stop - start) * MAP_FRACTION >= info.rows
-        ):
-            whole = mapped(part)
-            if whole is not None:
-                piece = _piece(_value(whole), start, stop, columns)
-                if part in read:  # two pieces of one mapping must not share memory
-                    piece = serialization.loads(serialization.dumps(piece), copy=True)
-                read.add(part)
-                return piece
-        if info.address == worker.address:
-            piece = sync(worker.loop, _local_slice, worker, lookup, info.key, start, stop, columns)
-            # A view of the stored value: the rank must get rows of its own.
-            return serialization.loads(serialization.dumps(piece), copy=True)
-        response = sync(
-            worker.loop,
-            worker.rpc(info.address).daskwg_rows,
-            key=info.key,
-            start=start,
-            stop=stop,
-            columns=_columns_msg(columns),
-        )
-        return _value(response["data"])
-
+    fetch = _Fetch(infos, worker, lookup, mapped, write)
     value = evaluate(plan, [i.rows for i in infos], [i.meta_info for i in infos], fetch)
     # All parts verl's: verl's class again (loaded here when the consuming class is verl's).
     names = {i.dataproto_class for i in infos}
     cls = foreign.loaded_class(names.pop()) if len(names) == 1 and None not in names else None
     return foreign.from_native(value, cls)
+
+
+class _Fetch:
+    """``evaluate``'s fetch on a worker; :meth:`many` gets several parts at once."""
+
+    def __init__(self, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any, write: Any) -> None:
+        self.infos, self.worker, self.lookup, self.mapped, self.write = infos, worker, lookup, mapped, write
+        self.wholes: dict[int, Any] = {}  # part -> its mapping's value, or None: not mappable
+        self.read: set[int] = set()  # parts already sliced from their mapping
+        self.fetched: dict[tuple, Any] = {}  # (part, start, stop, columns) -> rows fetched early
+
+    def _maps(self, part: int, start: int, stop: int) -> bool:
+        info = self.infos[part]
+        return (
+            self.mapped is not None
+            and info.address != self.worker.address
+            and (stop - start) * MAP_FRACTION >= info.rows
+        )
+
+    def many(self, requests: list[tuple]) -> Any:
+        """The rows of ``requests`` (``(part, start, stop, columns)``) concatenated: written
+        into one file of this process by their producers where they can be, else fetched
+        at once and concatenated here."""
+        value = self._gather(requests)
+        if value is None:
+            self._prefetch(requests)
+            value = concat_parts([self(*request) for request in requests])
+        return value
+
+    def _gather(self, requests: list[tuple]) -> Any:
+        """``requests`` concatenated, written into one file of this process by the parts'
+        producers (:func:`daskwg.plugin.gathered.gather`), or ``None``: fetch them apart."""
+        columns = self.infos[requests[0][0]].columns
+        wanted = requests[0][3]
+        if (
+            self.write is None
+            or columns is None
+            or any(self.infos[p].address == self.worker.address for p, _, _, _ in requests)
+            or any(self.infos[p].columns != columns for p, _, _, _ in requests)
+            or (wanted is not None and wanted[1])  # non-tensor columns: none here, let it fail as usual
+            or (wanted is not None and wanted[0] is not None and not wanted[0] <= {c[0] for c in columns})
+        ):
+            return None
+        return gathered.gather(requests, columns, self.write)
+
+    def _prefetch(self, requests: list[tuple]) -> None:
+        """Fetch ``requests`` concurrently: the parts to map in one batch of asks, the rows
+        of other workers' parts in one round trip."""
+        parts = [p for p, a, b, _ in requests if self._maps(p, a, b) and p not in self.wholes]
+        if parts:
+            self.wholes.update(zip(parts, self.mapped(parts)))
+        remote = [
+            r
+            for r in requests
+            if self.infos[r[0]].address != self.worker.address and self.wholes.get(r[0]) is None
+        ]
+        if len(remote) > 1:
+            responses = sync(
+                self.worker.loop, _gather_rows, self.worker, [(self.infos[r[0]], *r[1:]) for r in remote]
+            )
+            for request, response in zip(remote, responses):
+                self.fetched[_request_key(request)] = response
+
+    def __call__(self, part: int, start: int, stop: int, columns: Any) -> Any:
+        info = self.infos[part]
+        if self._maps(part, start, stop):
+            if part not in self.wholes:
+                self.wholes[part] = self.mapped([part])[0]
+            whole = self.wholes[part]
+            if whole is not None:
+                piece = _piece(_value(whole), start, stop, columns)
+                if part in self.read:  # two pieces of one mapping must not share memory
+                    piece = serialization.loads(serialization.dumps(piece), copy=True)
+                self.read.add(part)
+                return piece
+        if info.address == self.worker.address:
+            piece = sync(
+                self.worker.loop, _local_slice, self.worker, self.lookup, info.key, start, stop, columns
+            )
+            # A view of the stored value: the rank must get rows of its own.
+            return serialization.loads(serialization.dumps(piece), copy=True)
+        response = self.fetched.pop(_request_key((part, start, stop, columns)), None)
+        if response is None:
+            response = sync(self.worker.loop, _gather_rows, self.worker, [(info, start, stop, columns)])[0]
+        return _value(response["data"])
+
+
+def _request_key(request: tuple) -> tuple:
+    part, start, stop, columns = request
+    return part, start, stop, repr(_columns_msg(columns))
+
+
+async def _gather_rows(worker: Any, requests: list[tuple]) -> list[dict]:
+    """``daskwg_rows`` answers for ``(info, start, stop, columns)`` each, asked concurrently."""
+    return await asyncio.gather(
+        *(
+            worker.rpc(info.address).daskwg_rows(
+                key=info.key, start=start, stop=stop, columns=_columns_msg(columns)
+            )
+            for info, start, stop, columns in requests
+        )
+    )
 
 
 async def _local_slice(worker: Any, lookup: Any, key: str, start: int, stop: int, columns: Any) -> Any:
