@@ -41,7 +41,7 @@ from distributed.protocol import to_serialize
 from tensordict import TensorDict
 
 from ..buffers import pool_limit
-from ..memfiles import PAGE, File, available, create
+from ..memfiles import PAGE, File, _max_files, available, create
 from ..protocol import DataProto
 from .exceptions import picklable
 
@@ -60,14 +60,23 @@ MAX_FREE = 8
 #: than the copy).
 _SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
-_lock = threading.Lock()
+# Reentrant: a view dying (its finalizer giving a file back) can happen at any allocation.
+_lock = threading.RLock()
 _free: list[File] = []  # files no tensor uses any more, oldest first
 _made = 0  # files made so far
+_open = 0  # files open now (each holds a descriptor), in use or free
 
 
 def counts() -> dict[str, int]:
-    """This process's files: ``{"free": waiting for the next gather, "made": made so far}``."""
-    return {"free": len(_free), "made": _made}
+    """This process's files: ``{"free": waiting for the next gather, "made": made so far,
+    "open": open now}``."""
+    return {"free": len(_free), "made": _made, "open": _open}
+
+
+def _max_open() -> int:
+    """Files open at most (a rank keeping every batch it got holds one each): a sixteenth
+    of the descriptor limit; past it, parts come the usual way."""
+    return max(4, _max_files() // 2)
 
 
 def columns_of(value: Any) -> tuple | None:
@@ -233,15 +242,18 @@ def _take(size: int) -> tuple[File, np.ndarray, list]:
                 file = candidate
                 break
     if file is None:
-        global _made
+        global _made, _open
+        if _open >= _max_open():
+            raise OSError(f"{_open} files of gathered rows are open already")
         file = create(NAME, size)
         _made += 1
+        _open += 1
         try:
             file.mapping = mmap.mmap(
                 file.fd, size, flags=_SHARED_POPULATED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
         except BaseException:
-            file.close()
+            _close(file)
             raise
     # As daskwg.buffers does: everything built over the view holds an export of this ctypes
     # array, whose death is the file's release.
@@ -254,7 +266,7 @@ def _take(size: int) -> tuple[File, np.ndarray, list]:
 def _give_back(file: File, reusable: list) -> None:
     """No tensor uses ``file`` any more: keep it for the next gather (within the limits)."""
     if not reusable[0]:
-        file.close()
+        _close(file)
         return
     closing = []
     with _lock:
@@ -263,4 +275,11 @@ def _give_back(file: File, reusable: list) -> None:
         while len(_free) > MAX_FREE or sum(f.capacity for f in _free) > limit:
             closing.append(_free.pop(0))
     for old in closing:
-        old.close()
+        _close(old)
+
+
+def _close(file: File) -> None:
+    global _open
+    file.close()
+    with _lock:
+        _open -= 1
