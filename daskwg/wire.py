@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import VersionMismatchError
@@ -230,6 +230,8 @@ class ResultRef:
         shared: the holding worker is on this consumer's host: map it from the shared-memory
             file that worker writes it into (``daskwg.plugin.shared``), falling back to
             fetching it over the comm.
+        info: the result's :class:`PartInfo` where the driver had it from the call's reply
+            (a finished batch): a consuming rank then need not ask for it.
     """
 
     key: str
@@ -241,6 +243,7 @@ class ResultRef:
     via: str | None = None
     relays: int = 0
     shared: bool = False
+    info: PartInfo | None = field(default=None, compare=False)
 
 
 def call_message(
@@ -300,13 +303,20 @@ def fetch_message(key: str, session: str, seq: int, source: str) -> tuple:
 
 
 def reply_message(
-    cid: int, status: str, nbytes: int | None, error: bytes | None, header: bytes | None
+    cid: int,
+    status: str,
+    nbytes: int | None,
+    error: bytes | None,
+    header: bytes | None,
+    info: bytes | None = None,
 ) -> tuple:
     """The reply to call ``cid`` on a call stream, the result's buffers beside it:
-    ``("reply", id, status, nbytes, error, result header)``: ``status`` is ``"OK"``,
+    ``("reply", id, status, nbytes, error, result header, info)``: ``status`` is ``"OK"``,
     ``"error"`` (``error``: the pickled exception) or ``"cancelled"``; ``nbytes`` the kept
-    result's size; ``header``: the result's pickle header when the result comes with it."""
-    return ("reply", cid, status, nbytes, error, header)
+    result's size; ``header``: the result's pickle header when the result comes with it;
+    ``info``: a kept batch's pickled :class:`PartInfo` (``None``: not a batch, or it came
+    back itself)."""
+    return ("reply", cid, status, nbytes, error, header, info)
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

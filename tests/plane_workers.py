@@ -53,6 +53,21 @@ def gathered_files(dask_worker=None) -> dict:
     return gathered.counts()
 
 
+def count_part_info_asks(dask_worker=None) -> int:
+    """``daskwg_part_info`` requests this worker answered since the first call of this."""
+    handlers = dask_worker.handlers
+    if not hasattr(dask_worker, "_daskwg_part_info_asks"):
+        original = handlers["daskwg_part_info"]
+        dask_worker._daskwg_part_info_asks = 0
+
+        async def counted(**kwargs):
+            dask_worker._daskwg_part_info_asks += 1
+            return await original(**kwargs)
+
+        handlers["daskwg_part_info"] = counted
+    return dask_worker._daskwg_part_info_asks
+
+
 def no_shared_memory(side: str, dask_worker=None) -> None:
     """Fault injection: this worker cannot make (``"producer"``: nor write into a
     consumer's) or map (``"consumer"``) shared-memory files; ``"undo"`` undoes both."""

@@ -27,6 +27,7 @@ from plane_workers import (
     Consumer,
     Producer,
     Stateful,
+    count_part_info_asks,
     gathered_files,
     no_shared_memory,
     tcp_bytes_received,
@@ -183,6 +184,29 @@ def test_rows_spanning_parts_of_one_host_are_written_by_their_producers_into_the
         assert all(now[a]["made"] == between[a]["made"] for a in consumers.workers), (between, now)  # reused
         picked = consumers.summary(future.select(batch_keys=["id", "x"]))
         assert [o["keys"] for o in picked] == [["id", "x"]] * n and all(o["x_ok"] for o in picked)
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["comm", "shared-memory"])
+def test_consumers_of_a_finished_batch_get_its_part_infos_from_the_driver(plane, shared_memory):
+    # A finished non-blocking call's reply carries its batch's PartInfo (rows, meta_info,
+    # columns): the driver sends it with the consuming call, so no consuming rank asks the
+    # producers for it (one round trip less before it can fetch its rows).
+    client, pool = plane
+    producers, consumers = groups(client, pool, [4, 2], Producer, Consumer)
+    try:
+        with dask.config.set({"daskwg.shared-memory": shared_memory}):
+            future = producers.make(seed(1022))
+            wait(list(future.futures))
+            asked = client.run(count_part_info_asks, workers=producers.workers)
+            out = consumers.summary(future)
+            now = client.run(count_part_info_asks, workers=producers.workers)
+        assert now == asked, (asked, now)
+        assert [i for o in out for i in o["ids"]] == list(range(1022)) and all(o["x_ok"] for o in out)
+        assert all(o["meta"] == {"producer_world": 4} for o in out)
     finally:
         producers.shutdown()
         consumers.shutdown()
@@ -497,6 +521,60 @@ def test_a_result_is_its_value_when_the_method_returned(plane):
         assert [r["w"].tolist() for r in group.weights()] == [[1.0] * 4] * 4
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_consumers_files_of_gathered_rows_are_reused_and_their_number_bounded(monkeypatch):
+    # In this process, as on a consuming worker: the "producers" write their rows into the
+    # file through /proc/<pid>/fd as daskwg_write_rows does.
+    from tensordict import TensorDict
+
+    from daskwg.plugin import gathered
+
+    columns = (("x", "float32", (256,), None), ("m", "bool", (), None))
+    requests = [(0, 0, 1000, None), (1, 24, 1024, None)]  # 2 MB of rows from two parts
+
+    def write(asks):
+        for part, start, stop, target in asks:
+            n = 1024
+            made = {"x": torch.arange(n, dtype=torch.float32)[:, None].expand(-1, 256) + 10_000 * part}
+            made["m"] = torch.arange(n) % 2 == part
+            gathered._write_rows(
+                TensorDict({k: v.contiguous() for k, v in made.items()}, [n]), start, stop, target
+            )
+        return [{"status": "OK"}] * len(asks)
+
+    def check(data):
+        x, m = data.batch["x"], data.batch["m"]
+        assert x.shape == (2000, 256) and m.shape == (2000,) and not data.non_tensor_batch
+        assert torch.equal(x[:1000, 0], torch.arange(1000.0)) and torch.equal(
+            x[1000:, 7], torch.arange(24.0, 1024) + 10_000
+        )
+        assert torch.equal(m[:1000], torch.arange(1000) % 2 == 0) and torch.equal(
+            m[1000:], torch.arange(24, 1024) % 2 == 1
+        )
+
+    first = gathered.gather(requests, columns, write)
+    check(first)
+    made = gathered.counts()["made"]
+    del first
+    gc.collect()
+    second = gathered.gather(requests, columns, write)  # the first one's file, given back
+    check(second)
+    assert gathered.counts()["made"] == made
+    monkeypatch.setattr(gathered, "_max_open", lambda: gathered.counts()["open"])
+    assert gathered.gather(requests, columns, write) is None  # no file past the limit: the usual way
+    del second
+    gc.collect()
+    check(gathered.gather(requests, columns, write))
+    assert (
+        gathered.columns_of(
+            DataProto.from_dict(
+                {"x": torch.zeros(2, 3)}, non_tensors={"t": np.array(["a", "b"], dtype=object)}
+            )
+        )
+        is None
+    )
 
 
 def test_snapshot_copies_only_tensors_something_else_can_change():

@@ -24,6 +24,7 @@ from distributed.protocol import to_serialize
 from .. import serialization
 from ..errors import GroupBrokenError
 from ..wire import Call
+from . import rows
 from .exceptions import picklable, unpickling_error
 
 __all__ = ["DirectCalls"]
@@ -54,7 +55,7 @@ class DirectCalls:
         ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
         ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
         send calls on call streams (``daskwg_stream``); this serves what else sends one."""
-        status, nbytes, error, result = await self.run(
+        status, nbytes, error, result, *_ = await self.run(
             Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
         )
         if status != "OK":
@@ -111,7 +112,8 @@ class DirectCalls:
                 ``"error"`` or ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the
                 exception (shaped for the driver); ``result`` the snapshot to send back (a
                 blocking call's, or a kept one of at most ``inline`` bytes holding no tensors
-                or arrays), else ``None``.
+                or arrays), else ``None``; a kept batch's outcome has a fifth item, its
+                pickled ``PartInfo`` (or ``None``).
         """
         host = self.host
         try:
@@ -178,7 +180,26 @@ class DirectCalls:
             return ("OK", result.nbytes, None, result)
         host.results.put(key, result)
         small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
-        return ("OK", result.nbytes, None, result if small else None)
+        if small:
+            return ("OK", result.nbytes, None, result)
+        return ("OK", result.nbytes, None, None, _part_info(result, key, host.address))
+
+
+def _part_info(result: serialization.Packed, key: str, address: str) -> bytes | None:
+    """The pickled :class:`~daskwg.wire.PartInfo` of a kept result that is a batch, for its
+    reply (consumers the driver sends it to need not ask for it); ``None`` for anything
+    else, or for one too large to send along (a ``meta_info`` of more than 16 KiB)."""
+    if not result.buffers:
+        return None  # no tensors, no batch
+    try:
+        info = pickle.dumps(rows.part_info_of(result, key, address))
+    except Exception:  # noqa: BLE001 - not a batch, or a meta_info that does not pickle
+        return None
+    return info if len(info) <= INFO_LIMIT else None
+
+
+#: Bytes of a pickled PartInfo up to which it goes with its call's reply.
+INFO_LIMIT = 16 << 10
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

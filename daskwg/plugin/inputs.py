@@ -67,6 +67,11 @@ class _Fetched:
             self._value = task.result()
         self._event.set()
 
+    def known(self, value: Any) -> None:
+        """Settled already with ``value`` (nothing to fetch)."""
+        self._value = value
+        self._event.set()
+
     def take(self) -> Any:
         self._event.wait()
         if self._error is not None:
@@ -108,6 +113,9 @@ class Inputs:
         if ref.address == self.worker.address and ref.via is None:
             return _Local(kind, ref, relay_wait)  # read on the host thread when the call runs
         fetched = _Fetched(ref)
+        if kind == wire.ROWS and ref.info is not None:
+            fetched.known(ref.info)  # the driver had it from the producing call's reply
+            return fetched
         coro = self.info(ref) if kind == wire.ROWS else self.value(ref, relay_wait)
         asyncio.ensure_future(coro).add_done_callback(fetched.settle)
         return fetched
@@ -137,6 +145,8 @@ class Inputs:
 
     async def info(self, ref: ResultRef) -> PartInfo:
         """The :class:`~daskwg.wire.PartInfo` of the ``DataProtoFuture`` part ``ref``."""
+        if ref.info is not None:
+            return ref.info
         if ref.address == self.worker.address:
             return rows.part_info_of(await self.store.wait(ref), ref.key, ref.address)
         return (await self._ask(ref, "daskwg_part_info"))["info"]

@@ -90,13 +90,14 @@ def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list,
     loop = asyncio.get_running_loop()
 
     def reply(outcome: tuple) -> None:
-        status, nbytes, error, result = outcome
+        status, nbytes, error, result, *info = outcome
         message = reply_message(
             cid,
             status,
             nbytes,
             None if error is None else _pickled(error),
             None if result is None else result.header,
+            info[0] if info else None,
         )
         _send(frames, lock, loop, cid, message, [] if result is None else result.buffers)
 

@@ -56,7 +56,7 @@ def result_ref(driver: Driver, future: Any, source: str = "") -> ResultRef | Non
     if rec is None:
         return None
     call = rec.call
-    return ResultRef(rec.key, rec.address, call.session, call.seq, call.rank, source)
+    return ResultRef(rec.key, rec.address, call.session, call.seq, call.rank, source, info=rec.info)
 
 
 def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any, keep: list) -> tuple:

@@ -200,7 +200,7 @@ class DirectPath:
         # A reply means the call has ended there (and, calls ending in order, every
         # earlier one of this driver): no later call waits behind those any more.
         self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
-        _, _, status, _, error, header = reply
+        _, _, status, _, error, header, _ = reply
         try:
             if status == "OK":
                 return "ok", serialization.loads(serialization.Packed(header, buffers))

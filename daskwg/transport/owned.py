@@ -86,6 +86,7 @@ class OwnedResult:
         nbytes: its size once finished.
         inline: the result itself (pickled) when it came back with the reply (one with
             tensors is taken by the first read).
+        info: its ``wire.PartInfo`` once finished, when it is a batch kept on its worker.
         error: the call's error.
         pinned: futures the call reads (its ``DataProtoFuture`` and future arguments), kept
             alive until it ends even if the program drops them.
@@ -100,6 +101,7 @@ class OwnedResult:
     status: str = PENDING
     nbytes: int | None = None
     inline: serialization.Packed | None = None
+    info: Any = None
     error: BaseException | None = None
     pinned: tuple = ()
     wanted: bool = False
@@ -167,16 +169,19 @@ class Owned:
 
     # ---- settling (the client's loop) ------------------------------------------------
 
-    def finished(self, key: str, nbytes: int, inline: serialization.Packed | None = None) -> None:
+    def finished(
+        self, key: str, nbytes: int, inline: serialization.Packed | None = None, info: Any = None
+    ) -> None:
         """The call of ``key`` returned; its result (``nbytes``) is on its worker, and
-        ``inline`` is the result itself when it came with the reply."""
+        ``inline`` is the result itself when it came with the reply, ``info`` its
+        ``PartInfo`` when it is a batch."""
         rec = self.records.get(key)
         if rec is None or rec.status != PENDING:
             if rec is not None:
                 self._forget(rec)  # cancelled meanwhile: the result is nobody's
             return
         with self.cond:  # against drop() on a calling thread
-            self._settle(rec, FINISHED, nbytes=nbytes, inline=inline)
+            self._settle(rec, FINISHED, nbytes=nbytes, inline=inline, info=info)
             if not self._alive(rec):
                 self._forget(rec)
             elif rec.wanted:
@@ -532,7 +537,7 @@ class Owned:
             raise WorkerLostError(
                 call.rank, rec.address, f"reading the result of {call.method!r}: {exc}"
             ) from None
-        _, _, status, _, error, header = reply
+        _, _, status, _, error, header, _ = reply
         if status != "OK":
             raise pickle.loads(error)
         # The buffers were received into memory of this process's own: used in place.

@@ -154,9 +154,10 @@ class SubmitPath:
             return
         # A reply means the call has ended there (and every earlier one of this driver).
         self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
-        _, _, status, nbytes, error, header = reply
+        _, _, status, nbytes, error, header, info = reply
         if status == "OK":
-            owned.finished(key, nbytes, None if header is None else serialization.Packed(header, buffers))
+            inline = None if header is None else serialization.Packed(header, buffers)
+            owned.finished(key, nbytes, inline, None if info is None else _part_info(info))
         elif status == "cancelled":
             owned.cancelled(key)
         else:
@@ -179,3 +180,12 @@ class SubmitPath:
             )
         except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits there then
             pass
+
+
+def _part_info(pickled: bytes) -> wire.PartInfo | None:
+    """A reply's pickled ``PartInfo`` (``None`` if it does not unpickle here: the consuming
+    ranks then ask for it)."""
+    try:
+        return pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - e.g. a meta_info of a class this driver cannot import
+        return None
