@@ -77,7 +77,7 @@ REPS = {
 # (3 runs plus the once-measured sections) stays under about 15 minutes on 2 cores.
 ROW_REPS = {
     "one_to_all": 200,
-    "nonblocking": 100,
+    "nonblocking": 300,  # a 0.2 s window (100 calls) took one load transient whole: 0.39-0.41 -> 0.62
     "chain6": 30,
     "seq8": 40,
     "dp64": 5,
