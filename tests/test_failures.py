@@ -28,6 +28,7 @@ from daskwg import (
     DispatchError,
     GroupBrokenError,
     RankError,
+    ResourcePool,
     WorkerGroup,
     WorkerLostError,
     WorldSizeError,
@@ -156,6 +157,33 @@ def test_data_proto_future_of_a_lost_worker_raises_worker_lost():
         os.kill(pids[0], signal.SIGKILL)
         with pytest.raises(WorkerLostError, match="rank 0"):
             future.get()
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_result_of_a_lost_worker_fails_its_consumer_naming_the_producer_before_sending():
+    # Found by a new-user trial: the consuming call went out, was cancelled by Dask (its
+    # input's key was lost) and said only "the call of 'echo_proto' on rank 0 was cancelled".
+    with process_cluster(4) as cluster, Client(cluster) as client:
+        producers_pool, consumers_pool = ResourcePool(client, world_size=4).split([2, 2])
+        producers = WorkerGroup(client, FaultWorker, workers=producers_pool, name="producers")
+        consumers = WorkerGroup(client, FaultWorker, workers=consumers_pool, name="consumers")
+        future = producers.echo_proto_async(DataProto.from_dict({"a": torch.arange(8)}))
+        future.get()  # finished: kept on the producers' workers
+        os.kill(producers.pid()[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not producers.is_broken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(
+            WorkerLostError, match=r"rank 1 .*producers\.echo_proto_async \(rank 1\) kept its result"
+        ):
+            consumers.echo_proto(future)
+        assert consumers.echo(5) == [5, 5]  # nothing of it was sent: the consumers go on
+        assert consumers.echo_proto(DataProto.from_dict({"a": torch.arange(4)})).batch["a"].tolist() == [
+            0,
+            1,
+            2,
+            3,
+        ]
 
 
 def _fixed_port_cluster(n: int) -> SpecCluster:

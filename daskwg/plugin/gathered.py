@@ -74,8 +74,9 @@ def counts() -> dict[str, int]:
 
 
 def _max_open() -> int:
-    """Files open at most (a rank keeping every batch it got holds one each): a sixteenth
-    of the descriptor limit; past it, parts come the usual way."""
+    """Files open at most (a rank keeping every batch it got holds one each): half as many
+    as a process's send files (``daskwg.memfiles``: an eighth of the descriptor limit,
+    within 64 and 2048); past it, parts come the usual way."""
     return max(4, _max_files() // 2)
 
 

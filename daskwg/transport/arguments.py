@@ -29,6 +29,7 @@ from typing import Any
 from distributed import Future
 
 from .. import wire
+from ..errors import WorkerLostError
 from ..futures import DataProtoFuture
 from ..memfiles import same_host
 from ..wire import LazyArg, ResultRef
@@ -69,6 +70,8 @@ def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any
         keep: receives the futures the call reads, to keep alive until it ends.
     Raises:
         ValueError: a transformed future whose parts are not plainly concatenated.
+        WorkerLostError: a future is a non-blocking call's result kept on a worker this
+            driver knows is lost (it would only be cancelled once sent).
     """
     args, kwargs = payload
 
@@ -117,11 +120,32 @@ def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any
         return value
 
     try:
-        return tuple(swap(a, True) for a in args), {k: swap(v, True) for k, v in kwargs.items()}
+        swapped = tuple(swap(a, True) for a in args), {k: swap(v, True) for k, v in kwargs.items()}
+        _check_held(driver, keep)
+        return swapped
     finally:
         # swap calls itself through its closure: a cycle that would hold ``keep`` (the
         # call's input futures, and the results on the workers) until the next gc.
         swap = None  # noqa: F841
+
+
+def _check_held(driver: Driver, futures: Sequence[Any]) -> None:
+    """Raise a ``WorkerLostError`` naming the producing call for a result among ``futures``
+    kept on a worker process this driver knows is lost."""
+    for future in futures:
+        call = driver.call_of(future)
+        if call is None or call.worker_id not in driver.lost:
+            continue
+        slots = [
+            t.ranks.slots[call.rank] for t in list(driver.transports) if t.ranks.group_id == call.group_id
+        ]
+        address = slots[0].address if slots else f"worker {call.worker_id}"
+        raise WorkerLostError(
+            call.rank,
+            address,
+            f"{call.group_name}.{call.method} (rank {call.rank}) kept its result there, which this call "
+            f"reads ({driver.lost[call.worker_id]}); call {call.method!r} again for a new one",
+        )
 
 
 def needs_dask(lazies: Sequence[list]) -> bool:
