@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
+import threading
 
 import pytest
 from distributed import Client, LocalCluster
@@ -19,6 +21,7 @@ needs_gpu = pytest.mark.skipif(
 
 @pytest.mark.skipif(gpu_count() > 0, reason="this machine has GPUs: local_cluster() picks LocalCUDACluster")
 def test_local_cluster_without_gpus_is_one_process_per_worker_with_one_thread():
+    samplers = _samplers()
     with daskwg.local_cluster(n_workers=2, dashboard_address=":0") as cluster, Client(cluster) as client:
         assert isinstance(cluster, LocalCluster)
         workers = client.scheduler_info(n_workers=-1)["workers"].values()
@@ -27,6 +30,38 @@ def test_local_cluster_without_gpus_is_one_process_per_worker_with_one_thread():
         assert len(set(pids.values())) == 2
         with daskwg.WorkerGroup(client, AddWorker, world_size=2) as wg:
             assert wg.foo(x=1, y=2) == [5, 5]
+        # Dask's statistical profiler is off: no 10 ms sampling callback on the workers'
+        # event loops, and no thread sampling the loop of this process's servers
+        # (scheduler, nannies; distributed starts none on Python 3.11 anyway).
+        assert client.run(_profiling) == {w: (False, False) for w in wg.workers}
+        assert _samplers() == samplers
+
+
+def _samplers() -> int:
+    """Threads of this process sampling an event loop for Dask's profiler."""
+    return sum(t.name == "Profile" for t in threading.enumerate())
+
+
+def _profiling(dask_worker=None) -> tuple[bool, bool]:
+    import dask.config
+
+    return (
+        dask.config.get("distributed.worker.profile.enabled"),
+        "profile" in dask_worker.periodic_callbacks,
+    )
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has GPUs: local_cluster() picks LocalCUDACluster")
+def test_local_cluster_keeps_dask_s_profiler_when_the_caller_asks_for_it():
+    keep = {"distributed": {"worker": {"profile": {"enabled": True}}}}
+    samplers = _samplers()
+    with (
+        daskwg.local_cluster(n_workers=1, dashboard_address=":0", config=keep) as cluster,
+        Client(cluster) as client,
+    ):
+        assert list(client.run(_profiling).values()) == [(True, True)]
+        # distributed samples its servers' loop in a thread, except on Python 3.11
+        assert _samplers() == samplers + (sys.version_info[:2] != (3, 11))
 
 
 @needs_gpu
