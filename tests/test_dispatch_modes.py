@@ -40,6 +40,29 @@ def test_one_to_all_non_blocking_returns_one_future_per_rank(wg):
     assert _values(futures) == [5] * 8
 
 
+class _Counted(int):
+    """An int that counts how often the driver pickles it (each rank gets a plain int)."""
+
+    pickled = 0
+
+    def __reduce__(self):
+        type(self).pickled += 1
+        return (int, (int(self),))
+
+
+@pytest.mark.parametrize("method", ["one_to_all", "one_to_all_nb"])
+def test_one_to_all_arguments_are_pickled_once_for_all_ranks(wg, method):
+    _Counted.pickled = 0
+    got = getattr(wg, method)(_Counted(1), y=_Counted(2))
+    assert (got if method == "one_to_all" else _values(got)) == [5] * 8
+    assert _Counted.pickled == 2  # x and y once each, not once per rank
+    # Different objects per rank are pickled per rank.
+    assert _values(wg.all_to_all_nb([_Counted(r) for r in range(8)], y=[10] * 8)) == [
+        12 + r for r in range(8)
+    ]
+    assert _Counted.pickled == 2 + 8
+
+
 def test_all_to_all_non_blocking_gives_rank_r_entry_r(wg):
     assert _values(wg.all_to_all_nb(list(range(8)), y=[10] * 8)) == [12 + r for r in range(8)]
 

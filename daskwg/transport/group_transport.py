@@ -191,7 +191,7 @@ class GroupTransport:
             ]
         # Packed before the call takes its place in the order: an argument that cannot be
         # pickled fails here, naming it, and no rank ever waits for a call that cannot arrive.
-        packed = [pack_arguments(method_name, p, raw_payload) for p in payloads]
+        packed = pack_all(method_name, payloads, raw_payload)
         # Futures no group call made need Dask to resolve them: those calls go as tasks.
         task_path = needs_dask(lazies)
         slots = [self.ranks.slots[r] for r in ranks]
@@ -359,6 +359,33 @@ class GroupTransport:
             logger.info("group %s: releasing the dropped group's ranks failed: %s", ranks.name, exc)
         else:
             logger.info("group %s was garbage-collected without shutdown(): released its ranks", ranks.name)
+
+
+def pack_all(method: str, payloads: list, raw: bool) -> list[serialization.Packed]:
+    """:func:`pack_arguments` of each rank's payload; a payload holding the very objects of
+    the one before (``ONE_TO_ALL``, ``execute_all``: every rank gets the same arguments) is
+    pickled once, and its ``Packed`` shared (read-only on the way out)."""
+    packed: list[serialization.Packed] = []
+    for i, payload in enumerate(payloads):
+        if i and _same_objects(payload, payloads[i - 1], raw):
+            packed.append(packed[-1])
+        else:
+            packed.append(pack_arguments(method, payload, raw))
+    return packed
+
+
+def _same_objects(payload: Any, before: Any, raw: bool) -> bool:
+    if payload is before:
+        return True
+    if raw:
+        return False
+    (args, kwargs), (args_before, kwargs_before) = payload, before
+    return (
+        len(args) == len(args_before)
+        and all(a is b for a, b in zip(args, args_before))
+        and kwargs.keys() == kwargs_before.keys()
+        and all(v is kwargs_before[k] for k, v in kwargs.items())
+    )
 
 
 def pack_arguments(method: str, payload: Any, raw: bool) -> serialization.Packed:
