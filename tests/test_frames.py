@@ -5,20 +5,24 @@ registered with the event loop from one message to the next."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import numpy as np
 import pytest
 from distributed.comm import connect, listen
 
-from daskwg import frames, memfiles
+from daskwg import frames, local_link, memfiles
 from daskwg.frames import FrameStream
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _pair():
-    """A connected (writer, reader) pair of FrameStreams over loopback TCP, and a function
-    that closes both and the listener."""
+async def _pair(link: str = "tcp"):
+    """A connected (writer, reader) pair of FrameStreams over loopback TCP (``link="unix"``:
+    over a Unix-domain socket, as call streams between processes of one host are), and a
+    function that closes both and the listener."""
+    if link == "unix":
+        return await _unix_pair()
     accepted: asyncio.Queue = asyncio.Queue()
     done = asyncio.Event()
 
@@ -36,6 +40,31 @@ async def _pair():
         await other.close()
         done.set()
         listener.stop()
+
+    return close, FrameStream(comm), FrameStream(other)
+
+
+async def _unix_pair():
+    accepted: asyncio.Queue = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def serve(comm, files):
+        assert files == {"probe": 1}  # what the opening carried
+        await accepted.put(comm)
+        await done.wait()  # the listener closes a comm whose handler returned
+
+    server_id = f"test-frames-{uuid.uuid4()}"
+    stop = local_link.listen(server_id, serve)
+    comm = await local_link.connect("tcp://127.0.0.1:1", server_id)
+    assert local_link.is_local(comm)
+    await comm.write({"op": "daskwg_stream", "reply": False, "files": {"probe": 1}})
+    other = await asyncio.wait_for(accepted.get(), 10)
+    assert local_link.is_local(other)
+
+    async def close():
+        await comm.close()
+        done.set()
+        stop()
 
     return close, FrameStream(comm), FrameStream(other)
 
@@ -63,9 +92,10 @@ def _messages():
     return out
 
 
-def test_messages_of_every_size_arrive_whole_and_in_order():
+@pytest.mark.parametrize("link", ["tcp", "unix"])
+def test_messages_of_every_size_arrive_whole_and_in_order(link):
     async def main():
-        close, writer, reader = await _pair()
+        close, writer, reader = await _pair(link)
         sent = _messages()
 
         async def write_all():
@@ -84,12 +114,13 @@ def test_messages_of_every_size_arrive_whole_and_in_order():
     asyncio.run(main())
 
 
-def test_reading_a_stream_of_small_messages_keeps_its_socket_registered():
+@pytest.mark.parametrize("link", ["tcp", "unix"])
+def test_reading_a_stream_of_small_messages_keeps_its_socket_registered(link):
     # tornado unregisters a socket whose read left bytes in its own buffer and registers it
     # again at the next read: two epoll_ctl calls per message, a fifth of a small call's
     # driver time here. The reader must keep it registered between messages.
     async def main():
-        close, writer, reader = await _pair()
+        close, writer, reader = await _pair(link)
         loop = asyncio.get_running_loop()
         calls = {"add_reader": 0, "remove_reader": 0}
         for name in calls:
@@ -114,14 +145,15 @@ def test_reading_a_stream_of_small_messages_keeps_its_socket_registered():
     asyncio.run(main())
 
 
-def test_writes_from_other_threads_and_the_loop_arrive_whole_and_each_writers_in_order():
+@pytest.mark.parametrize("link", ["tcp", "unix"])
+def test_writes_from_other_threads_and_the_loop_arrive_whole_and_each_writers_in_order(link):
     """``write_now`` from two threads while the loop writes large messages of its own: every
     message arrives whole, each thread's direct writes keep their order, and writes the
     socket could not take at once (the reader paused, the buffers full) go out later."""
     import threading
 
     async def main():
-        close, writer, reader = await _pair()
+        close, writer, reader = await _pair(link)
         loop = asyncio.get_running_loop()
         rng = np.random.default_rng(1)
         big = rng.integers(0, 256, 3 * frames._READ_BUFFER, dtype=np.uint8).tobytes()
@@ -174,13 +206,14 @@ def test_writes_from_other_threads_and_the_loop_arrive_whole_and_each_writers_in
     asyncio.run(main())
 
 
-def test_write_now_declines_where_it_cannot_write_the_socket_itself():
+@pytest.mark.parametrize("link", ["tcp", "unix"])
+def test_write_now_declines_where_it_cannot_write_the_socket_itself(link):
     """Too large for one write, or made outside an event loop (no loop to finish a partial
     write on): ``write_now`` writes nothing, takes no lead, and says so; where it writes, the
     lead goes just before the message."""
 
     async def main():
-        close, writer, reader = await _pair()
+        close, writer, reader = await _pair(link)
         leads = []
 
         def lead():

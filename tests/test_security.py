@@ -19,7 +19,7 @@ from distributed import Client
 from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
-from daskwg import ClassWithInitArgs, RankError, WorkerGroup
+from daskwg import ClassWithInitArgs, RankError, WorkerGroup, local_link
 from daskwg.serialization import pack
 from daskwg.transport import Driver as _Driver
 from daskwg.wire import Call
@@ -72,6 +72,11 @@ def test_a_group_calls_over_both_paths_on_a_tls_cluster(tls_cluster):
             futures = wg.record(7)
             assert client.gather(futures) == [7, 7]
             assert wg.get_log() == [[7], [7]]
+            # The call streams stay on TLS: none went over a Unix-domain socket.
+            driver = _Driver.of(client)
+            streams = [*driver.streams._streams.values(), *driver.channel().streams._streams.values()]
+            assert streams and not any(local_link.is_local(s.frames.comm) for s in streams)
+            assert all(s.frames.comm.peer_address.startswith("tls://") for s in streams)
 
 
 @pytest.mark.parametrize(

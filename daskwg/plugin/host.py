@@ -41,7 +41,7 @@ from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .. import wire  # serialization also installs the tensor serializer in workers
+from .. import local_link, wire  # serialization also installs the tensor serializer in workers
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
 from ..metrics import CallMetrics, payload_nbytes
@@ -117,6 +117,8 @@ class HostPlugin(WorkerPlugin):
         }
         worker.handlers.update(handlers)
         rows.install(worker, self.results.get)
+        # Drivers of this host open their call streams on a Unix-domain socket.
+        self._stop_listening = local_link.listen(worker.id, self._handle_stream)
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
@@ -127,6 +129,9 @@ class HostPlugin(WorkerPlugin):
             h.close_loop(wait=False)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._inputs.shared.close()
+        stop_listening = getattr(self, "_stop_listening", None)
+        if stop_listening is not None:
+            stop_listening()
 
     def hosted_ranks(self) -> list[tuple[str, str, int]]:
         """``(group name, group id, rank)`` of every rank hosted here, sorted."""

@@ -28,7 +28,7 @@ import dask.config
 from dask.utils import parse_timedelta
 from distributed.comm import connect
 
-from .. import memfiles
+from .. import local_link, memfiles
 from ..config import Settings
 from ..frames import FrameStream
 from ..memfiles import same_host
@@ -49,8 +49,10 @@ class _Stream:
         connection_args: dict,
         on_close: Callable[[], None],
         lead: Callable[[], tuple | None] | None = None,
+        server_id: str | None = None,
     ):
         self.address = address
+        self.server_id = server_id
         self._lead = lead
         self.connection_args = connection_args
         self.frames: FrameStream | None = None
@@ -73,7 +75,10 @@ class _Stream:
             raise
 
     async def _connect(self) -> FrameStream:
-        comm = await connect(self.address, **self.connection_args)
+        # A worker of this host is reached over its Unix-domain socket (daskwg.local_link).
+        comm = await local_link.connect(self.address, self.server_id)
+        if comm is None:
+            comm = await connect(self.address, **self.connection_args)
         comm.name = "daskwg call stream"
         probe = _probe(comm)
         await comm.write({"op": "daskwg_stream", "reply": False, "files": probe})
@@ -164,7 +169,7 @@ def _probe(comm: Any) -> dict | None:
     ``daskwg.shared-memory`` on; else ``None`` (every byte over the socket)."""
     if not Settings.current().shared_memory or getattr(comm, "stream", None) is None:
         return None
-    if not same_host(comm.local_address, comm.peer_address):
+    if not (local_link.is_local(comm) or same_host(comm.local_address, comm.peer_address)):
         return None
     return memfiles.probe()
 
@@ -212,7 +217,7 @@ class CallStreams:
             stream = None
         if stream is None:
             lead = None if self.lead is None else functools.partial(self.lead, key)
-            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream), lead)
+            stream = _Stream(address, self.connection_args, lambda: self._drop(key, stream), lead, server_id)
             self._streams[key] = stream
             self._epoch[key] = epoch
         return stream
