@@ -13,9 +13,10 @@ same; only the socket differs.
 Where it applies: Linux; plain ``tcp://`` workers (with TLS the call streams stay on TLS);
 a driver in the worker's network namespace (abstract socket names belong to one: a driver
 on another host, or in another namespace of this one, never finds the name and connects
-over TCP as before); and a peer of the worker's own user (the worker checks the peer's
-credentials, ``SO_PEERCRED``, and closes any other connection: an abstract socket has no
-file permissions).
+over TCP as before); and both ends of one user: each checks the other's credentials
+(``SO_PEERCRED``; an abstract socket has no file permissions). The worker closes a
+connection from another user's process; a driver finding a worker of another user there
+connects over TCP instead.
 """
 
 from __future__ import annotations
@@ -129,12 +130,22 @@ def listen(server_id: str, serve: Callable[[Any, dict | None], Awaitable[Any]]) 
     return close
 
 
-def _peer_of_our_user(conn: socket.socket) -> int | None:
-    """The peer's pid if it runs as this process's user, else ``None`` (logged)."""
+def _credentials(sock: socket.socket) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process at the other end of ``sock`` (for a connecting socket:
+    the one that listens), or ``None`` if the kernel does not say."""
     try:
-        pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     except OSError:
         return None
+    return pid, uid
+
+
+def _peer_of_our_user(conn: socket.socket) -> int | None:
+    """The peer's pid if it runs as this process's user, else ``None`` (logged)."""
+    credentials = _credentials(conn)
+    if credentials is None:
+        return None
+    pid, uid = credentials
     if uid != os.getuid():
         logger.warning(
             "daskwg: refused a call stream from process %d of user %d (this worker runs as user %d)",
@@ -167,7 +178,8 @@ async def _serve_one(comm: Any, serve: Callable[[Any, dict | None], Awaitable[An
 async def connect(address: str, server_id: str | None) -> Any:
     """A comm to the worker process ``server_id`` (at ``address``) over its Unix-domain
     socket, or ``None`` when there is none to reach from here (then connect over TCP):
-    another host, another network namespace, not a ``tcp://`` worker, or not Linux."""
+    another host, another network namespace, not a ``tcp://`` worker, a worker of another
+    user (which would refuse the stream), or not Linux."""
     if server_id is None or not address.startswith("tcp://") or not _supported():
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -175,6 +187,12 @@ async def connect(address: str, server_id: str | None) -> Any:
     try:
         await asyncio.get_running_loop().sock_connect(sock, socket_name(server_id))
     except OSError:
+        sock.close()
+        return None
+    credentials = _credentials(sock)
+    if credentials is None or credentials[1] != os.getuid():
+        # A worker of another user refuses this process's streams: TCP, where Dask's own
+        # security applies, reaches it.
         sock.close()
         return None
     return _LocalComm(IOStream(sock), f"{SCHEME}://pid-{os.getpid()}", address)

@@ -6,6 +6,7 @@ TCP as before."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import textwrap
@@ -94,3 +95,45 @@ def test_a_process_of_another_user_is_refused_and_the_worker_keeps_serving(clien
         assert out.stdout.strip() == "closed", out.stderr
         assert wg.nap(0) == [0]
         assert daskwg.get(wg.nap_async(0)) == [0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to listen as another user")
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="no system Python to run as another user")
+def test_a_driver_does_not_use_the_socket_of_a_worker_of_another_user():
+    # Such a worker would refuse the stream: the driver goes to TCP instead of failing.
+    server_id = f"test-other-user-{os.getpid()}"
+    listener = textwrap.dedent(
+        f"""
+        import socket, sys, time
+        s = socket.socket(socket.AF_UNIX)
+        s.bind({local_link.socket_name(server_id)!r})
+        s.listen(8)
+        print("listening", flush=True)
+        time.sleep(30)
+        """
+    )
+    other = subprocess.Popen(
+        ["/usr/bin/python3", "-c", listener], user=65534, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "listening"
+        assert asyncio.run(local_link.connect("tcp://127.0.0.1:1", server_id)) is None
+        assert asyncio.run(local_link.connect("tls://127.0.0.1:1", server_id)) is None
+    finally:
+        other.kill()
+        other.wait(10)
+    # Our own user's listener is used.
+    served = asyncio.run(_connect_to_own_listener())
+    assert served
+
+
+async def _connect_to_own_listener() -> bool:
+    stop = local_link.listen(f"test-own-user-{os.getpid()}", lambda comm, files: asyncio.sleep(0))
+    try:
+        comm = await local_link.connect("tcp://127.0.0.1:1", f"test-own-user-{os.getpid()}")
+        ok = comm is not None and local_link.is_local(comm)
+        if comm is not None:
+            comm.abort()
+        return ok
+    finally:
+        stop()
