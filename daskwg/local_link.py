@@ -35,7 +35,7 @@ from typing import Any
 import dask.config
 from dask.utils import parse_timedelta
 from distributed.comm.core import Comm
-from distributed.comm.tcp import TCP
+from distributed.comm.tcp import MAX_BUFFER_SIZE, TCP
 from tornado.iostream import IOStream
 from tornado.netutil import add_accept_handler
 
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 SCHEME = "local"
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_refused: set[int] = set()  # users whose connections were refused
 
 
 def socket_name(server_id: str) -> bytes:
@@ -118,7 +119,7 @@ def listen(server_id: str, serve: Callable[[Any, dict | None], Awaitable[Any]]) 
         if peer is None:
             conn.close()
             return
-        comm = _LocalComm(IOStream(conn), here, f"{SCHEME}://pid-{peer}")
+        comm = _LocalComm(IOStream(conn, max_buffer_size=MAX_BUFFER_SIZE), here, f"{SCHEME}://pid-{peer}")
         asyncio.ensure_future(_serve_one(comm, serve))
 
     stop = add_accept_handler(sock, accepted)
@@ -147,7 +148,10 @@ def _peer_of_our_user(conn: socket.socket) -> int | None:
         return None
     pid, uid = credentials
     if uid != os.getuid():
-        logger.warning(
+        # Once per user at warning level: any local user could flood the log otherwise.
+        log = logger.debug if uid in _refused else logger.warning
+        _refused.add(uid)
+        log(
             "daskwg: refused a call stream from process %d of user %d (this worker runs as user %d)",
             pid,
             uid,
@@ -195,4 +199,6 @@ async def connect(address: str, server_id: str | None) -> Any:
         # security applies, reaches it.
         sock.close()
         return None
-    return _LocalComm(IOStream(sock), f"{SCHEME}://pid-{os.getpid()}", address)
+    return _LocalComm(
+        IOStream(sock, max_buffer_size=MAX_BUFFER_SIZE), f"{SCHEME}://pid-{os.getpid()}", address
+    )

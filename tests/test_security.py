@@ -77,6 +77,11 @@ def test_a_group_calls_over_both_paths_on_a_tls_cluster(tls_cluster):
             streams = [*driver.streams._streams.values(), *driver.channel().streams._streams.values()]
             assert streams and not any(local_link.is_local(s.frames.comm) for s in streams)
             assert all(s.frames.comm.peer_address.startswith("tls://") for s in streams)
+            # ...and the workers offer none: nothing bypasses the cluster's certificates.
+            listening = client.run(
+                lambda dask_worker: dask_worker.plugins["daskwg"]._stop_listening is not None
+            )
+            assert listening == {w: False for w in wg.workers}
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,10 @@ class HostPlugin(WorkerPlugin):
         worker.handlers.update(handlers)
         rows.install(worker, self.results.get)
         # Drivers of this host open their call streams on a Unix-domain socket.
-        self._stop_listening = local_link.listen(worker.id, self._handle_stream)
+        # Not on a TLS cluster: its streams stay on TLS, with its certificates.
+        self._stop_listening = (
+            local_link.listen(worker.id, self._handle_stream) if self.address.startswith("tcp://") else None
+        )
 
     def teardown(self, worker) -> None:
         """Dask's plugin hook (worker closing): drop the hosted ranks, stop the thread."""
