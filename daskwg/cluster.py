@@ -106,6 +106,28 @@ def _with_sigint_preload(kwargs: dict) -> None:
     kwargs["preload"] = preload
 
 
+def _check_in_process(kwargs: dict) -> None:
+    """Raise ``ValueError`` for arguments of ``kwargs`` that ``LocalCluster`` would hand
+    to its workers but only a ``Nanny`` accepts: with ``processes=False`` Dask starts
+    ``Worker`` objects in this process and fails deep inside with a ``TypeError``."""
+    import inspect
+
+    from distributed import Nanny, Worker
+    from distributed.core import Server
+
+    def names(fn: Any) -> set[str]:
+        return set(inspect.signature(fn).parameters)
+
+    nanny_only = names(Nanny.__init__) - names(Worker.__init__) - names(Server.__init__)
+    bad = sorted(set(kwargs) & (nanny_only - names(LocalCluster.__init__)))
+    if bad:
+        raise ValueError(
+            f"local_cluster(processes=False) got {', '.join(f'{k}=' for k in bad)}, which only a worker "
+            "process (Nanny) takes: in-process workers share this process's settings. Set them here "
+            "instead (dask.config.set(...) for config=, os.environ for env=) or drop processes=False"
+        )
+
+
 def _nest(key: str, value: Any) -> dict:
     for part in reversed(key.split(".")):
         value = {part: value}
@@ -162,7 +184,11 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
     Returns:
         the cluster; use it as a context manager and connect ``Client(cluster)``.
     Raises:
-        whatever the cluster class raises for bad arguments.
+        ValueError: ``processes=False`` with an argument only a Nanny (a worker process)
+            takes, e.g. ``config=`` or ``env=``: in-process workers share this process's
+            settings (use ``dask.config.set`` and ``os.environ`` here instead), raised
+            before anything starts.
+        whatever the cluster class raises for other bad arguments.
     """
     if gpu_count() > 0:
         try:
@@ -179,6 +205,8 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
             _with_sigint_preload(kwargs)
             return _keep_nannies(_start(LocalCUDACluster, kwargs, user))
     kwargs.setdefault("processes", True)
+    if not kwargs["processes"]:
+        _check_in_process(kwargs)
     user = kwargs.get("config") or {}
     if kwargs["processes"]:
         kwargs["config"] = _worker_config(user)

@@ -74,3 +74,24 @@ def test_local_cluster_with_gpus_is_a_local_cuda_cluster_with_ranks_per_gpu():
         with daskwg.WorkerGroup(client, AddWorker, world_size=n) as wg:
             devices = wg.execute_all_sync("get_cuda_visible_devices")
     assert [d.split(",")[0] for d in devices] == [str(i) for i in range(n)]
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has GPUs: local_cluster() picks LocalCUDACluster")
+@pytest.mark.parametrize("kwargs", [{"config": {"distributed.worker.daemon": False}}, {"env": {"A": "1"}}])
+def test_local_cluster_in_process_refuses_nanny_only_arguments_before_starting(kwargs):
+    # Dask's own LocalCluster(processes=False, config=...) fails with a TypeError from
+    # deep inside Server.__init__, after the scheduler started.
+    threads = set(threading.enumerate())
+    with pytest.raises(ValueError, match=rf"processes=False\) got {next(iter(kwargs))}=.*dask.config.set"):
+        daskwg.local_cluster(n_workers=1, processes=False, dashboard_address=":0", **kwargs)
+    assert set(threading.enumerate()) <= threads
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has GPUs: local_cluster() picks LocalCUDACluster")
+def test_local_cluster_in_process_runs_a_group():
+    with (
+        daskwg.local_cluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        daskwg.WorkerGroup(client, AddWorker, world_size=1) as wg,
+    ):
+        assert wg.foo(x=1, y=2) == [5]
