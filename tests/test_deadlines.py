@@ -117,6 +117,38 @@ def test_a_stopped_worker_is_reported_unresponsive_and_restart_replaces_it(hclie
         wg.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_a_call_never_written_to_a_stopped_worker_does_not_hold_its_later_calls(hclient):
+    # A new thread's first call opens that thread's own stream, whose opening a stopped
+    # worker never answers: the deadline abandons a call that was never written. Once the
+    # worker runs again, the driver's later calls there must not wait for its turn.
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    try:
+        pids = wg.pid()
+        os.kill(pids[1], signal.SIGSTOP)
+        errors = []
+
+        def call():
+            try:
+                with daskwg.deadline(1):
+                    wg.pid()
+            except CallTimeoutError as exc:
+                errors.append(exc)
+
+        try:
+            thread = threading.Thread(target=call)
+            thread.start()
+            thread.join(60)
+        finally:
+            _resume(pids[1])
+        assert [e.ranks for e in errors] == [{0: "done", 1: "unresponsive"}]
+        with daskwg.deadline(20):
+            assert wg.pid() == pids
+        assert [r["state"] for r in wg.status()] == ["idle", "idle"]
+    finally:
+        wg.shutdown()
+
+
 @pytest.mark.timeout(300)
 def test_a_rank_in_an_infinite_loop_times_out_with_its_stack(hclient):
     wg = WorkerGroup(hclient, HangWorker, world_size=2)

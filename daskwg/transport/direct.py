@@ -140,6 +140,14 @@ class DirectPath:
             # their way first, or they would stay unsent (the rank idle, not in the
             # call) until this thread's next call. Bounded: a worker may not be reading.
             await asyncio.wait(unsent, timeout=max(grace, poll))
+            if private:
+                # Still not written (its stream still opening to a worker that does not
+                # answer, or the socket full): it would go only with this thread's next
+                # call, if any, and every later call to that worker waits for its turn.
+                for i in pending_index:
+                    if not sent[i].done():
+                        c = calls[i]
+                        self.ranks.driver.skip(self.ranks.address(c.rank), c.worker_id, c.session, [c.seq])
         # A private loop only runs while its thread is in a call, so its tasks cannot
         # tell when these ranks finish: ask their workers instead.
         pending = [

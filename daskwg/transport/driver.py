@@ -36,6 +36,9 @@ __all__ = ["Driver", "GroupRanks", "StuckCall", "AbandonedCall", "TaskCall"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds :meth:`Driver.skip` keeps trying to reach a worker that does not answer.
+SKIP_RETRY_S = 3600.0
+
 
 @dataclass(frozen=True)
 class GroupRanks:
@@ -239,6 +242,31 @@ class Driver:
     def give_up(self, server_id: str, session: str, seq: int) -> None:
         """Record that the driver gave up on call ``seq`` to a worker it took as lost."""
         self.given_up[server_id].append((session, seq))
+
+    def skip(self, address: str, server_id: str | None, session: str, seqs: list[int]) -> None:
+        """Give up the places of calls ``seqs`` of ``session`` on the worker process
+        ``server_id`` at ``address``: they did not reach it (one that still comes is then
+        refused), and every later call of the session would wait for them there. Any
+        thread: sent from the client's event loop, and sent again while the worker does not
+        answer (stopped, its event loop blocked), for up to :data:`SKIP_RETRY_S` seconds,
+        until it is lost or the client closes."""
+        self.client.loop.add_callback(self._skip, address, server_id, session, list(seqs))
+
+    async def _skip(self, address: str, server_id: str | None, session: str, seqs: list[int]) -> None:
+        give_up_at, delay = time.monotonic() + SKIP_RETRY_S, 0.2
+        while self.client.status in ("running", "connecting") and server_id not in self.lost:
+            try:
+                # Dask's rpc: a connect timeout (distributed.comm.timeouts.connect) bounds it.
+                await self.client.rpc(address).daskwg_skip(session=session, seqs=seqs)
+                return
+            except Exception:  # noqa: BLE001 - not answering now; gone (then nothing waits there)
+                if time.monotonic() + delay > give_up_at:
+                    logger.warning(
+                        "calls %s of session %s could not be skipped on %s", seqs, session, address
+                    )
+                    return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
     def revoke(self, server_id: str) -> None:
         """Clear the lost mark :meth:`unreachable` set: the same process answers again.

@@ -73,7 +73,7 @@ class TaskPath:
                 the calls end.
             settings: the call's settings (``scatter_above``, ``paused_timeout``).
         """
-        ranks, driver, client = self.ranks, self.ranks.driver, self.ranks.client
+        ranks, driver = self.ranks, self.ranks.driver
         call_no = next(driver.call_numbers)
         futures: list[Future] = []
         try:
@@ -100,9 +100,7 @@ class TaskPath:
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.
             for call in calls[len(futures) :]:
-                client.loop.add_callback(
-                    self._send, "daskwg_skip", ranks.address(call.rank), call.session, [call.seq]
-                )
+                driver.skip(ranks.address(call.rank), call.worker_id, call.session, [call.seq])
             raise
         if self.keep_running:
             # Else a driver that exits (its client releasing every key) would drop the calls
@@ -190,7 +188,7 @@ class TaskPath:
         # Also after a RankError: it may be the error of a call this one depended on (a
         # DataProtoFuture's producer), in which case this call never reached its rank.
         # Skipping a call that ran is a no-op on the worker.
-        loop.add_callback(self._send, "daskwg_skip", address, session, [seq])
+        self.ranks.driver.skip(address, server_id, session, [seq])
 
     async def _send(self, handler: str, address: str, session: str, seqs: list[int]) -> None:
         try:
