@@ -181,3 +181,31 @@ def test_a_result_that_fails_to_unpickle_in_the_driver_fails_only_its_call(clien
             assert "refuses to be unpickled" in str(info.value)
         assert group.nap(0) == [0, 0]
         assert not group.is_broken
+
+
+@pytest.mark.timeout(30)
+def test_a_channel_collected_on_a_thread_running_another_loop_closes_its_loop_cleanly():
+    # A driver thread's Channel may be collected by the GC on the client's loop thread,
+    # where its own loop cannot run: its streams' tasks must still end, and its loop close,
+    # without "coroutine ... never awaited" or "Task was destroyed but it is pending".
+    import asyncio
+    import warnings
+
+    channel = Channel({})
+    task = channel.loop.create_task(asyncio.sleep(60))
+    loop = channel.loop
+
+    async def collect():
+        nonlocal channel
+        del channel
+        gc.collect()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(collect())
+        deadline = time.monotonic() + 10
+        while not loop.is_closed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gc.collect()
+    assert loop.is_closed() and task.cancelled()
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]

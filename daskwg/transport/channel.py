@@ -60,11 +60,32 @@ class Channel:
             tasks = asyncio.all_tasks(self.loop)
             for task in tasks:
                 task.cancel()
-            if tasks and not self.loop.is_running():
-                self.loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-            self.loop.close()
+            if self.loop.is_running():
+                return
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs in this thread: finish here
+                _finish(self.loop, tasks)
+            else:
+                # Collected on a thread running another loop (the client's): this loop
+                # cannot run here.
+                threading.Thread(target=_finish, args=(self.loop, tasks), daemon=True).start()
         except Exception:  # noqa: BLE001 - best effort at garbage collection
             pass
+
+
+def _finish(loop: asyncio.AbstractEventLoop, tasks: set) -> None:
+    """Let ``tasks`` (cancelled) end on ``loop``, for up to a second, and close it."""
+    try:
+        if tasks:
+            wait = asyncio.wait(tasks, timeout=1.0)
+            try:
+                loop.run_until_complete(wait)
+            finally:
+                wait.close()  # never left un-awaited, whatever happened
+        loop.close()
+    except Exception:  # noqa: BLE001 - best effort at garbage collection
+        pass
 
 
 class HeldInterrupt:
