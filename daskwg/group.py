@@ -28,7 +28,7 @@ from .install import check_versions, install_plugins, version_of
 from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
-from .transport import GroupTransport, fresh_error
+from .transport import CallFuture, GroupTransport, fresh_error
 from .wire import RANK_ENV_KEYS, WIRE_FORMAT
 from .worker import ClassWithInitArgs
 
@@ -424,9 +424,12 @@ class WorkerGroup(BoundGroup):
                     [self._slots[r].address for r in sorted(busy)],
                 )
             if later:
-                fire_and_forget(
-                    self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
-                )
+                # Queued behind the busy calls; their futures may go: the calls run all the
+                # same (a direct call's result is dropped when it comes; a task is kept).
+                futures = self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
+                tasks = [f for f in futures if not isinstance(f, CallFuture)]
+                if tasks:
+                    fire_and_forget(tasks)
             if alive:
                 with deadline(Settings.current().shutdown_timeout):
                     self._send(

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -315,6 +316,27 @@ def test_shutdown_after_an_abandoned_call_has_ended_warns_of_no_stuck_rank(hclie
     with caplog.at_level("WARNING", logger="daskwg"):
         wg.shutdown()
     assert [r.message for r in caplog.records if r.name.startswith("daskwg")] == []
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_behind_an_abandoned_call_says_so_once_and_frees_the_ranks_when_it_ends(hclient, caplog):
+    wg = WorkerGroup(hclient, HangWorker, world_size=2)
+    group_id = wg._group_id
+    with pytest.raises(CallTimeoutError):
+        with daskwg.deadline(0.5):
+            wg.sleep(2)
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="daskwg"):
+        warnings.simplefilter("always")
+        wg.shutdown()
+        t0 = time.monotonic()
+        while group_id in _hosted_group_ids(hclient) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+    assert group_id not in _hosted_group_ids(hclient)  # destroyed once 'sleep' ended
+    messages = [r.message for r in caplog.records if r.name.startswith("daskwg")]
+    assert len(messages) == 1 and "still busy with 'sleep'" in messages[0], messages
+    # the ranks' __del__ went as direct calls: nothing asked the scheduler for keys it never knew
+    assert not [w for w in caught if "fire-and-forget" in str(w.message)]
 
 
 @pytest.mark.timeout(120)

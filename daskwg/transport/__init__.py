@@ -20,9 +20,19 @@ Two ways to send, one order: every call gets, per worker, the next sequence numb
 this driver, and the worker runs calls strictly in that order whichever way they came.
 """
 
+from .call_future import CallFuture
 from .channel import Channel
 from .driver import Driver, GroupRanks
 from .failures import CallWatch, FailureState, fresh_error
 from .group_transport import GroupTransport
 
-__all__ = ["Driver", "GroupRanks", "Channel", "CallWatch", "FailureState", "GroupTransport", "fresh_error"]
+__all__ = [
+    "CallFuture",
+    "Driver",
+    "GroupRanks",
+    "Channel",
+    "CallWatch",
+    "FailureState",
+    "GroupTransport",
+    "fresh_error",
+]

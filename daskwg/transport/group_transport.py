@@ -208,7 +208,7 @@ class GroupTransport:
             # A lost worker fails at once (no connection attempt, no task that never
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
             self.check(method_name, ranks, limit)
-        driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
+            driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
         if check and not blocking:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
         session, seqs = driver.numbered([s.server_id for s in slots])
