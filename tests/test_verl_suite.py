@@ -2,7 +2,7 @@
 
 Each suite runs in a child process (its ``ray`` stand-in must not leak into this one)
 and writes a JUnit report; every verl test must pass, except the ones listed in
-``verl_suite_plugin.STOPS_AT``, which must stop exactly at the step named there.
+``stops.STOPS_AT``, which must stop exactly at the step named there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "verl_suite"))
 
 import suite  # noqa: E402
-from verl_suite_plugin import STOPS_AT  # noqa: E402
+from stops import STOPS_AT  # noqa: E402
 
 
 def _outcomes(report: Path) -> dict[str, str]:
@@ -67,3 +67,12 @@ def test_every_verl_single_controller_test_file_is_run_or_left_out_with_a_reason
     found = {p.name for p in (tree / "tests" / "single_controller").glob("test_*.py")}
     assert found == set(suite.SINGLE_CONTROLLER) | set(suite.LEFT_OUT)
     assert not set(suite.SINGLE_CONTROLLER) & set(suite.LEFT_OUT)
+
+
+def test_the_main_test_process_keeps_the_real_ray():
+    # The ray stand-in lives only in the suites' child processes: here verl's and daskwg's
+    # comparison tests use the real ray (whose exit handler imports ray.dag).
+    assert getattr(sys.modules.get("ray"), "__version__", "") != "0.0-daskwg-standin"
+    assert "verl.single_controller.ray.base" not in sys.modules or not sys.modules[
+        "verl.single_controller.ray.base"
+    ].__doc__.startswith("stand-in")

@@ -13,6 +13,7 @@ import sys
 import types
 
 import pytest
+from stops import STOPS_AT
 
 SUITE = os.environ.get("DASKWG_VERL_SUITE", "single_controller")
 
@@ -49,24 +50,6 @@ elif SUITE == "protocol":
     _install_protocol_standin()
 else:
     raise RuntimeError(f"DASKWG_VERL_SUITE={SUITE!r}: expected single_controller or protocol")
-
-
-#: verl tests that run on daskwg up to one step that cannot pass here: test id ->
-#: (what that step's error says, why). The test must get that far and fail exactly there;
-#: it is reported as xfailed with the reason, and as failed if it fails anywhere else or passes.
-STOPS_AT = {
-    "tests/single_controller/test_worker_group_basics.py::test_basics": (
-        "Torch not compiled with CUDA enabled",
-        "needs a GPU: its last step, execute_func_rank_zero(add_one, ...), moves a tensor to verl's "
-        "get_device_name(), which is 'cuda' on a machine without accelerators (verl falls back to its "
-        "nvidia platform); every step before it ran on daskwg",
-    ),
-    "tests/test_protocol_on_cpu.py::test_chunk_concat": (
-        "DID NOT RAISE",
-        "documented deviation (docs/porting.md): daskwg's DataProto.chunk(5) of 6 rows returns exactly 5 "
-        "pieces where verl asserts",
-    ),
-}
 
 
 @pytest.hookimpl(hookwrapper=True)
