@@ -84,6 +84,14 @@ def test_verl_dp_compute_proto_method_scales_a_verl_batch(scaler2):
     assert torch.equal(out.batch["y"], torch.tensor([0.0, 10.0, 20.0, 30.0]))
 
 
+def test_a_verl_batch_made_from_a_padded_future_comes_back_without_the_padding_rows(scaler2):
+    # The consuming rank unpads what verl's worker code returns (verl's own DataProto), as
+    # it does daskwg's: 3 rows on 2 ranks travel as 4, one of them a copy of row 0.
+    for rows in (3, 5):
+        out = scaler2.type_seen(scaler2.scale_later(batch(rows)))
+        assert len(out) == rows
+
+
 def test_verl_query_dispatch_info_is_bound(scaler2):
     assert scaler2._query_dispatch_info("train") == [0, 1]
 

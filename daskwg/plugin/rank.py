@@ -15,7 +15,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .. import collective, serialization
+from .. import collective, foreign, serialization
 from ..futures import rows_of
 from ..protocol import DataProto, unpad_rows
 from ..wire import Call
@@ -117,6 +117,8 @@ def strip_padding(result: Any, padding: int) -> Any:
     output (a DataProto or TensorDict with that many rows; anything else as it is)."""
     if padding and isinstance(result, (DataProto, TensorDictBase)) and rows_of(result) >= padding:
         return unpad_rows(result, padding)
+    if padding and foreign.is_verl_dataproto(result) and len(result) >= padding:
+        return unpad_rows(result, padding)  # verl's own DataProto, returned by verl worker code
     return result
 
 
