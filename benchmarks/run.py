@@ -1837,7 +1837,7 @@ DISCUSSION = """\
     chain's plan is replayed once before timing, the replay that learns each stage's rows).
   * *64 MiB DP round trip*: `DP_COMPUTE_PROTO` over `[4096, 4096]` float32, every rank
     adds 1 in place and returns its piece. On one host daskwg's call streams carry the
-    pieces and the replies through shared-memory files (`daskwg.memfiles`: one copy in,
+    pieces and the replies through shared-memory files (`daskwg.wire.memfiles`: one copy in,
     one out), as Ray's object store does for large arguments; its floor is those two
     copies at warm memcpy speed. *reshard m→n*: a finished `DataProtoFuture`
     of `[4096, 4096]` float32 + ids from the dp-m group consumed by the dp-n group

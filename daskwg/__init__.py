@@ -9,16 +9,15 @@ the method runs on every rank (execute) and the results are merged (collect).
 from . import config as _config  # noqa: F401  (daskwg's dask.config defaults)
 from .cluster import local_cluster
 from .collective import CollectiveGroup, create_collective_group
-from .colocate import create_colocated_worker_cls
 from .deadlines import deadline
-from .decorator import (
+from .dispatch.modes import make_nd_compute_dataproto_dispatch_fn
+from .dispatch.register import (
     Dispatch,
     Execute,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
 )
-from .dispatch import make_nd_compute_dataproto_dispatch_fn
 from .errors import (
     BatchDimsError,
     CallTimeoutError,
@@ -34,12 +33,13 @@ from .errors import (
     WorkerPausedError,
     WorldSizeError,
 )
-from .futures import DataProtoFuture
-from .group import WorkerGroup
-from .plans import PlanValue, StepPlan, plan
-from .pool import ResourcePool
+from .futures.future import DataProtoFuture
+from .groups.colocate import create_colocated_worker_cls
+from .groups.group import WorkerGroup
+from .groups.pool import ResourcePool
+from .groups.resolve import get
+from .plans.plan import PlanValue, StepPlan, plan
 from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
-from .resolve import get
 from .worker import ClassWithInitArgs, DistGlobalInfo, DistRankInfo, Worker
 
 __version__ = "0.1.0"

@@ -56,7 +56,7 @@ class Settings:
         shared_memory: a result that ranks on other workers of its worker's host take whole
             is mapped by them from one shared-memory copy rather than sent to each; the
             large buffers of calls and replies between the driver and workers of its host
-            go through shared-memory files (``daskwg.memfiles``; read when a call stream
+            go through shared-memory files (``daskwg.wire.memfiles``; read when a call stream
             opens: a driver thread's first call to a worker, kept for the client's life).
         skip_signal_handlers: groups built now let rank code skip SIGTERM/SIGINT handlers.
         check_process_group: groups built now refuse a rank whose process holds another

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import foreign
-from .decorator import Dispatch, Execute, register
+from .dispatch.register import Dispatch, Execute, register
 from .errors import ConflictError
 
 __all__ = ["ClassWithInitArgs", "DistGlobalInfo", "DistRankInfo", "Worker"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from daskwg import DataProto, Dispatch, Worker, register
-from daskwg.dispatch import collect_dp_compute_data_proto, dispatch_one_to_all
+from daskwg.dispatch.modes import collect_dp_compute_data_proto, dispatch_one_to_all
 
 
 class BadStrError(Exception):

@@ -19,8 +19,8 @@ from daskwg import (
     register,
     register_dispatch_mode,
 )
-from daskwg.colocate import ColocatedWorker
-from daskwg.dispatch import collect_all_to_all, dispatch_one_to_all
+from daskwg.dispatch.modes import collect_all_to_all, dispatch_one_to_all
+from daskwg.groups.colocate import ColocatedWorker
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ROLE_ENV")
 

@@ -449,7 +449,7 @@ def _release_while_the_host_thread_dequeues(dask_worker, calls: int) -> list[str
     """Queue ``calls`` calls of a group this worker does not host (each fails at once on
     the host thread, which takes it off the queue), and answer ``daskwg_release`` on the
     event loop meanwhile, as a departing driver's release does. Returns the errors."""
-    from daskwg.wire import Call
+    from daskwg.wire.messages import Call
 
     host = dask_worker.plugins["daskwg"]
     release = dask_worker.handlers["daskwg_release"]

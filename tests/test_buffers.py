@@ -1,4 +1,4 @@
-"""Receive buffers kept for the next value of their size (``daskwg.buffers``), in this
+"""Receive buffers kept for the next value of their size (``daskwg.wire.buffers``), in this
 process: what may be reused, and when."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import pytest
 import torch
 from dask.config import set as dask_config
 
-from daskwg import DataProto, buffers, codec, dispatch, serialization
+from daskwg import DataProto
+from daskwg.dispatch import modes as dispatch
+from daskwg.serialization import pickling as serialization
+from daskwg.wire import buffers, codec
 
 pytestmark = pytest.mark.timeout(60)
 

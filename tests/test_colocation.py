@@ -21,7 +21,7 @@ from daskwg import (
     create_colocated_worker_cls,
     register,
 )
-from daskwg.colocate import ColocatedWorker
+from daskwg.groups.colocate import ColocatedWorker
 
 ROLES = {"policy": ClassWithInitArgs(Policy, seed=7), "value": ClassWithInitArgs(Value, seed=70, scale=3.0)}
 

@@ -17,8 +17,8 @@ from tensordict import TensorDict
 from workers import AddWorker
 
 from daskwg import ClassWithInitArgs, DataProto, WorkerGroup
-from daskwg.dashboard import render_html
-from daskwg.metrics import CallMetrics, merge, payload_nbytes
+from daskwg.scheduler.dashboard import render_html
+from daskwg.scheduler.metrics import CallMetrics, merge, payload_nbytes
 
 
 def dashboard_root(client) -> str:

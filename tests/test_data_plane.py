@@ -34,7 +34,8 @@ from plane_workers import (
     tcp_bytes_sent,
 )
 
-from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup, serialization
+from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup
+from daskwg.serialization import pickling as serialization
 
 MiB = 1 << 20
 ROWS, COLS = 1024, 2048  # x and noise: 8 MiB each; the batch is 16 MiB
@@ -232,7 +233,7 @@ def test_rows_a_producer_cannot_write_into_the_consumers_file_come_the_usual_way
 @pytest.mark.timeout(300)
 def test_a_large_call_and_its_reply_cross_through_shared_memory_files_on_one_host(plane):
     """A DP_COMPUTE_PROTO call with a 16 MiB batch from the driver to ranks of its host, and
-    its reply: the bytes go through shared-memory files (``daskwg.memfiles``), not TCP; the
+    its reply: the bytes go through shared-memory files (``daskwg.wire.memfiles``), not TCP; the
     ranks change their rows in place without touching the driver's batch; rows a rank keeps
     stay as they were while later calls come; once the ranks let go, the next call's
     files are the same ones again (on both sides)."""
@@ -244,7 +245,7 @@ def test_a_large_call_and_its_reply_cross_through_shared_memory_files_on_one_hos
         return DataProto.from_dict({"x": torch.rand(ROWS, COLS, generator=g), "id": torch.arange(ROWS)})
 
     def files_held() -> int:
-        from daskwg import memfiles
+        from daskwg.wire import memfiles
 
         return memfiles.send_files().nbytes
 

@@ -963,9 +963,7 @@ def test_a_detached_group_is_not_released_when_dropped(hclient):
 def test_a_worker_process_start_is_read_to_the_clock_tick():
     # What tells a restarted worker's process from its predecessor's removal: the kernel's
     # boot time comes in whole seconds, so psutil's create_time ran 0.8 s early here.
-    code = (
-        "import time; t = time.time(); from daskwg.pool import process_started; print(t - process_started())"
-    )
+    code = "import time; t = time.time(); from daskwg.groups.pool import process_started; print(t - process_started())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
     since_start = float(out.stdout)  # the interpreter's start-up, plus up to one clock tick
     assert -0.02 < since_start < 0.5, since_start

@@ -1,4 +1,4 @@
-"""Specification of ``daskwg.decorator``: modes, ``@register`` and the dispatch/collect functions.
+"""Specification of ``daskwg.dispatch.register``: modes, ``@register`` and the dispatch/collect functions.
 
 These are unit tests of pure functions, run in this process against small stand-ins for
 a worker group; the same functions on a real Dask cluster are tested with the group.
@@ -19,7 +19,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from daskwg.decorator import (
+from daskwg.dispatch.modes import PADDING_SIZE_KEY, make_nd_compute_dataproto_dispatch_fn
+from daskwg.dispatch.register import (
     Dispatch,
     Execute,
     RegisteredMethod,
@@ -29,9 +30,8 @@ from daskwg.decorator import (
     register_dispatch_mode,
     update_dispatch_mode,
 )
-from daskwg.dispatch import PADDING_SIZE_KEY, make_nd_compute_dataproto_dispatch_fn
 from daskwg.errors import DispatchError
-from daskwg.futures import DataProtoFuture
+from daskwg.futures.future import DataProtoFuture
 from daskwg.protocol import DataProto
 from daskwg.worker import Worker
 
@@ -167,7 +167,7 @@ def test_member_added_at_run_time_unpickles_in_a_fresh_process():
     script = textwrap.dedent(
         """
         import pickle, sys
-        from daskwg.decorator import Dispatch
+        from daskwg.dispatch.register import Dispatch
         member = pickle.loads(sys.stdin.buffer.read())
         print(member is Dispatch.TEST_CROSSES_PROCESSES, repr(member))
         """

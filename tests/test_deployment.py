@@ -13,8 +13,9 @@ from conftest import dask_cli, free_port, wait_for_workers
 from distributed import Client
 from hang_workers import HangWorker
 
-from daskwg import VersionMismatchError, WorkerGroup, wire
-from daskwg.install import version_of
+from daskwg import VersionMismatchError, WorkerGroup
+from daskwg.groups.install import version_of
+from daskwg.wire import messages as wire
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -109,7 +110,7 @@ def test_a_worker_with_another_daskwg_and_torch_is_refused_naming_both_versions(
 
 def _speak_wire_format(number: int | None) -> None:
     """Make this worker's host answer as if it spoke wire format ``number`` (``None``: its own)."""
-    from daskwg import wire
+    from daskwg.wire import messages as wire
 
     own = wire.__dict__.setdefault("_own_wire_format", wire.WIRE_FORMAT)
     wire.WIRE_FORMAT = own if number is None else number

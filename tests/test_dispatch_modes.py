@@ -11,7 +11,7 @@ from roles import SWAPPABLE, ModeWorker
 from tensordict import TensorDict
 
 from daskwg import ClassWithInitArgs, DataProto, DataProtoFuture, WorkerGroup, update_dispatch_mode
-from daskwg.dispatch import collect_all_to_all, collect_rank_zero, dispatch_one_to_all
+from daskwg.dispatch.modes import collect_all_to_all, collect_rank_zero, dispatch_one_to_all
 
 pytestmark = pytest.mark.timeout(180)
 

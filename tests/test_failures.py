@@ -479,7 +479,7 @@ def test_a_call_waiting_on_a_paused_worker_warns_naming_it(caplog):
         futures = wg.sleep_async(zero)
         timer = threading.Timer(3, client.run, args=(_resume,), kwargs={"workers": [wg.workers[1]]})
         timer.start()
-        with caplog.at_level(logging.WARNING, logger="daskwg.group"):
+        with caplog.at_level(logging.WARNING, logger="daskwg.groups.group"):
             assert wg._gather(futures, "sleep_async") == [0, 1]
         timer.join()
         assert any("paused" in r.message and wg.workers[1] in r.message for r in caplog.records)

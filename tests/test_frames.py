@@ -1,4 +1,4 @@
-"""Call-stream frames (``daskwg.frames.FrameStream``) on real Dask TCP comms, in this process:
+"""Call-stream frames (``daskwg.wire.frames.FrameStream``) on real Dask TCP comms, in this process:
 messages of every shape arrive whole and in order, and reading them keeps the socket
 registered with the event loop from one message to the next."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from distributed.comm import connect, listen
 
-from daskwg import frames, local_link, memfiles
-from daskwg.frames import FrameStream
+from daskwg.wire import frames, local_link, memfiles
+from daskwg.wire.frames import FrameStream
 
 pytestmark = pytest.mark.timeout(60)
 

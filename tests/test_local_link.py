@@ -1,5 +1,5 @@
 """Call streams to workers of the driver's own host go over Unix-domain sockets
-(``daskwg.local_link``): on a real process cluster, every stream the driver opens (its
+(``daskwg.wire.local_link``): on a real process cluster, every stream the driver opens (its
 client loop's and its calling thread's) is one, with shared-memory files agreed; a
 process of another user is refused; and a worker with no such socket is reached over
 TCP as before."""
@@ -17,8 +17,9 @@ import torch
 from workers import PathWorker
 
 import daskwg
-from daskwg import DataProto, WorkerGroup, local_link
+from daskwg import DataProto, WorkerGroup
 from daskwg.transport import Driver
+from daskwg.wire import local_link
 
 pytestmark = pytest.mark.timeout(120)
 

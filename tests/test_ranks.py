@@ -8,7 +8,7 @@ from distributed import Client
 from workers import AddWorker
 
 from daskwg import ResourcePool, WorkerGroup
-from daskwg.pool import WorkerSlot, rank_order
+from daskwg.groups.pool import WorkerSlot, rank_order
 
 
 def _slot(name: str, device: str | None, host: str = "10.0.0.1") -> WorkerSlot:

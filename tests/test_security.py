@@ -19,10 +19,11 @@ from distributed import Client
 from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
-from daskwg import ClassWithInitArgs, RankError, WorkerGroup, local_link
-from daskwg.serialization import pack
+from daskwg import ClassWithInitArgs, RankError, WorkerGroup
+from daskwg.serialization.pickling import pack
 from daskwg.transport import Driver as _Driver
-from daskwg.wire import Call
+from daskwg.wire import local_link
+from daskwg.wire.messages import Call
 
 TESTS_DIR = os.path.dirname(__file__)
 

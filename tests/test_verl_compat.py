@@ -28,9 +28,10 @@ from verl_workers import (
 )
 
 import daskwg
-from daskwg import ClassWithInitArgs, DataProtoFuture, WorkerGroup, serialization
-from daskwg.decorator import get_registered_method
+from daskwg import ClassWithInitArgs, DataProtoFuture, WorkerGroup
+from daskwg.dispatch.register import get_registered_method
 from daskwg.foreign import to_native
+from daskwg.serialization import pickling as serialization
 from daskwg.verl import (
     RayClassWithInitArgs,
     RayResourcePool,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from daskwg.decorator import Dispatch, Execute, get_registered_method
+from daskwg.dispatch.register import Dispatch, Execute, get_registered_method
 from daskwg.worker import DistGlobalInfo, DistRankInfo, Worker, _normalize_visible_devices
 
 _KEYS = (

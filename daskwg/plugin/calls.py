@@ -18,7 +18,7 @@ from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import Call, of_client, status_record
+from ..wire.messages import Call, of_client, status_record
 from .rank_loop import task_stack
 
 __all__ = ["CallTable", "QueuedCall", "RunningCall", "status_records"]
@@ -154,7 +154,7 @@ class CallTable:
 def status_records(
     calls: CallTable, hosted: Mapping[tuple[str, int], Any], last_errors: Mapping
 ) -> list[dict]:
-    """What ``daskwg_status`` answers: one :func:`~daskwg.wire.status_record` per rank in
+    """What ``daskwg_status`` answers: one :func:`~daskwg.wire.messages.status_record` per rank in
     ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
     call with its stack) and one per call queued for a rank; ``last_errors`` by the same keys."""
     running = calls.running

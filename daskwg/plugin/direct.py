@@ -21,9 +21,9 @@ from typing import Any
 
 from distributed.protocol import to_serialize
 
-from .. import serialization
 from ..errors import GroupBrokenError
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire.messages import Call
 from . import rows
 from .exceptions import picklable, unpickling_error
 
@@ -102,7 +102,7 @@ class DirectCalls:
 
         Args:
             call: the call.
-            payload: its arguments, pickled (:func:`daskwg.serialization.dumps`).
+            payload: its arguments, pickled (:func:`daskwg.serialization.pickling.dumps`).
             refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
                 message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
             key: a non-blocking call's: its result stays here under ``key``.
@@ -186,7 +186,7 @@ class DirectCalls:
 
 
 def _part_info(result: serialization.Packed, key: str, address: str) -> bytes | None:
-    """The pickled :class:`~daskwg.wire.PartInfo` of a kept result that is a batch, for its
+    """The pickled :class:`~daskwg.wire.messages.PartInfo` of a kept result that is a batch, for its
     reply (consumers the driver sends it to need not ask for it); ``None`` for anything
     else, or for one too large to send along (a ``meta_info`` of more than 16 KiB)."""
     if not result.buffers:

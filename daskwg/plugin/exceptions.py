@@ -9,7 +9,7 @@ import pickle
 import traceback
 
 from ..errors import GroupBrokenError, RankError, safe_str
-from ..wire import Call
+from ..wire.messages import Call
 
 __all__ = ["shippable", "picklable", "rank_error", "unpickling_error", "earlier_process_error"]
 

@@ -14,11 +14,11 @@ row is copied once, by its producer, in parallel, and only the rows the rank nee
 
 It applies where every part is a daskwg or verl ``DataProto`` whose ``batch`` holds only
 dense CPU tensors (contiguous, no ``non_tensor_batch``) with the same columns, dtypes and
-trailing shapes (:func:`columns_of`, carried by the :class:`~daskwg.wire.PartInfo`), held by
+trailing shapes (:func:`columns_of`, carried by the :class:`~daskwg.wire.messages.PartInfo`), held by
 other workers of this host, with ``daskwg.shared-memory`` on; anything else (or a producer
 that cannot open the file) goes the usual way (:func:`daskwg.plugin.rows.evaluate_on_worker`).
 
-The consumer's files are reused as receive buffers are (``daskwg.buffers``): a file comes
+The consumer's files are reused as receive buffers are (``daskwg.wire.buffers``): a file comes
 back to this process's pool when the last tensor over it goes, its pages still mapped.
 The rank owns its tensors: nobody else maps the file once the producers have written it.
 """
@@ -40,9 +40,9 @@ import torch
 from distributed.protocol import to_serialize
 from tensordict import TensorDict
 
-from ..buffers import pool_limit
-from ..memfiles import PAGE, File, _max_files, available, create
 from ..protocol import DataProto
+from ..wire.buffers import pool_limit
+from ..wire.memfiles import PAGE, File, _max_files, available, create
 from .exceptions import picklable
 
 __all__ = ["columns_of", "counts", "gather", "install", "SMALLEST"]
@@ -75,7 +75,7 @@ def counts() -> dict[str, int]:
 
 def _max_open() -> int:
     """Files open at most (a rank keeping every batch it got holds one each): half as many
-    as a process's send files (``daskwg.memfiles``: an eighth of the descriptor limit,
+    as a process's send files (``daskwg.wire.memfiles``: an eighth of the descriptor limit,
     within 64 and 2048); past it, parts come the usual way."""
     return max(4, _max_files() // 2)
 
@@ -171,7 +171,7 @@ def gather(
 
     Args:
         requests: ``(part, start, stop, wanted columns)`` in order, as
-            :func:`daskwg.futures.evaluate` fetches them; ``wanted columns``: ``None`` (all)
+            :func:`daskwg.futures.future.evaluate` fetches them; ``wanted columns``: ``None`` (all)
             or ``(batch keys or None, non-tensor keys or None)``.
         columns: the parts' common :func:`columns_of`.
         write: ``[(part, start, stop, target), ...] -> answers`` of ``daskwg_write_rows``,
@@ -256,7 +256,7 @@ def _take(size: int) -> tuple[File, np.ndarray, list]:
         except BaseException:
             _close(file)
             raise
-    # As daskwg.buffers does: everything built over the view holds an export of this ctypes
+    # As daskwg.wire.buffers does: everything built over the view holds an export of this ctypes
     # array, whose death is the file's release.
     owner = (ctypes.c_ubyte * size).from_buffer(file.mapping)
     reusable = [True]

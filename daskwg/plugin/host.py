@@ -2,7 +2,7 @@
 worker groups in every Dask worker process (registered once per cluster under the name
 ``"daskwg"``; every group and every driver share the one instance per worker).
 
-It is a router and a life cycle: it installs the comm handlers (:data:`daskwg.wire.HANDLERS`),
+It is a router and a life cycle: it installs the comm handlers (:data:`daskwg.wire.messages.HANDLERS`),
 builds and destroys :class:`~daskwg.plugin.rank.HostedRank` objects, and hands every call
 to one dedicated thread, in the order the driver issued it. Calls arrive on two paths,
 both carrying a per-driver sequence number for this worker:
@@ -41,11 +41,12 @@ from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .. import local_link, wire  # serialization also installs the tensor serializer in workers
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
-from ..metrics import CallMetrics, payload_nbytes
-from ..wire import PLUGIN_NAME, Call
+from ..scheduler.metrics import CallMetrics, payload_nbytes
+from ..wire import local_link  # serialization also installs the tensor serializer in workers
+from ..wire import messages as wire
+from ..wire.messages import PLUGIN_NAME, Call
 from . import rows, stream
 from .calls import CallTable, status_records
 from .direct import DirectCalls
@@ -68,7 +69,7 @@ logger = logging.getLogger(__name__)
 class HostPlugin(WorkerPlugin):
     """Hosts worker-group ranks inside a Dask worker (a ``distributed.WorkerPlugin``).
 
-    Registered by :func:`daskwg.install.install_plugins` with ``client.register_plugin``;
+    Registered by :func:`daskwg.groups.install.install_plugins` with ``client.register_plugin``;
     idempotent, so every group and every driver share the one instance per worker.
     """
 
@@ -255,14 +256,14 @@ class HostPlugin(WorkerPlugin):
         return {"memory": monitor.get_process_memory(), "memory_limit": manager.memory_limit, "pause": pause}
 
     def _handle_status(self) -> list[dict]:
-        """One :func:`~daskwg.wire.status_record` per rank hosted here (``"idle"`` or
+        """One :func:`~daskwg.wire.messages.status_record` per rank hosted here (``"idle"`` or
         ``"running"``, the running call with its stack) and one per call queued for a rank."""
         with self._hosted_lock:
             hosted = dict(self._hosted)
         return status_records(self.calls, hosted, self._last_error)
 
     def _handle_metrics(self) -> dict:
-        """Counters of the calls hosted here (:meth:`daskwg.metrics.CallMetrics.snapshot`),
+        """Counters of the calls hosted here (:meth:`daskwg.scheduler.metrics.CallMetrics.snapshot`),
         for the scheduler's ``/metrics``."""
         return self._metrics.snapshot()
 

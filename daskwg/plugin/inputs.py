@@ -1,9 +1,9 @@
 """Building a call's arguments on its rank: :class:`Inputs`.
 
 A ``DataProtoFuture`` or a plain future among a call's arguments (top level, or inside
-lists, tuples and dicts) arrives as a :class:`daskwg.wire.LazyArg` placeholder; what stands
+lists, tuples and dicts) arrives as a :class:`daskwg.wire.messages.LazyArg` placeholder; what stands
 for it comes beside the arguments (the call's ``lazy_values``): per placeholder, one entry
-per part, each a :class:`daskwg.wire.ResultRef` (a result of a non-blocking call, which the
+per part, each a :class:`daskwg.wire.messages.ResultRef` (a result of a non-blocking call, which the
 rank fetches itself, worker to worker) or what Dask resolved on the worker (the task path,
 for futures no group call made).
 
@@ -30,10 +30,11 @@ from typing import Any
 from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
-from .. import serialization, wire
 from ..errors import RankError, WorkerGroupError, WorkerLostError
-from ..futures import padding_of
-from ..wire import Call, LazyArg, PartInfo, ResultRef
+from ..futures.future import padding_of
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call, LazyArg, PartInfo, ResultRef
 from . import rows
 from .relay import Relays
 from .results import ResultStore
@@ -144,7 +145,7 @@ class Inputs:
         return response["data"]
 
     async def info(self, ref: ResultRef) -> PartInfo:
-        """The :class:`~daskwg.wire.PartInfo` of the ``DataProtoFuture`` part ``ref``."""
+        """The :class:`~daskwg.wire.messages.PartInfo` of the ``DataProtoFuture`` part ``ref``."""
         if ref.info is not None:
             return ref.info
         if ref.address == self.worker.address:
@@ -169,7 +170,7 @@ class Inputs:
     def resolve(self, call: Call, args: tuple, kwargs: dict, lazy_values: list) -> tuple[tuple, dict, int]:
         """``(args, kwargs, padding)`` with every placeholder replaced by the value it stands
         for. ``padding``: the rows of padding that end this rank's piece of a future cut by
-        ``DP_COMPUTE_PROTO`` (:data:`daskwg.pieces.STRIP`), which
+        ``DP_COMPUTE_PROTO`` (:data:`daskwg.futures.pieces.STRIP`), which
         :func:`daskwg.plugin.rank.strip_padding` takes off the rank's output.
 
         Raises:

@@ -1,12 +1,12 @@
 """A replayed step plan's part on this worker (``daskwg.plan``): :class:`PlanRunner`.
 
-One ``("plan", ...)`` message on a driver's call stream (:func:`daskwg.wire.plan_message`)
+One ``("plan", ...)`` message on a driver's call stream (:func:`daskwg.wire.messages.plan_message`)
 carries every call that one replay of a step makes on this worker's ranks, in the driver's
 order, under consecutive sequence numbers of the driver's session. They take their place
 in that order as one item and run in one turn of the host thread: each call as an ordinary
 call runs (the rank's environment, ``status()``, metrics, errors shaped for the driver), and
 the output of one call that a later call on the same rank reads (a
-:class:`daskwg.wire.Slot` among its arguments) is handed over in this process, never sent
+:class:`daskwg.wire.messages.Slot` among its arguments) is handed over in this process, never sent
 anywhere. One reply goes back when the last of them has run.
 
 A call whose input failed fails with that input's error; the other calls still run, as
@@ -21,10 +21,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .. import foreign, serialization
+from .. import foreign
 from ..errors import GroupBrokenError, RankError
-from ..futures import rows_of
-from ..wire import Call, Slot
+from ..futures.future import rows_of
+from ..serialization import pickling as serialization
+from ..wire.messages import Call, Slot
 from .exceptions import picklable, unpickling_error
 from .rank import snapshot
 

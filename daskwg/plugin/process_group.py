@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import collective
-from ..wire import Call
+from ..wire.messages import Call
 
 __all__ = ["ProcessGroups", "ProcessGroupOwner"]
 

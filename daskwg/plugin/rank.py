@@ -15,10 +15,11 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .. import collective, foreign, serialization
-from ..futures import rows_of
+from .. import collective, foreign
+from ..futures.future import rows_of
 from ..protocol import DataProto, unpad_rows
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire.messages import Call
 from .rank_loop import RankLoop
 
 __all__ = ["HostedRank", "ProcessEnv", "strip_padding", "snapshot"]
@@ -123,7 +124,7 @@ def strip_padding(result: Any, padding: int) -> Any:
 
 
 def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:
-    """The result as it is at return time (:func:`daskwg.serialization.snapshot`), or
+    """The result as it is at return time (:func:`daskwg.serialization.pickling.snapshot`), or
     a clear error now rather than inside Dask's comm layer later.
 
     ``result`` must be held by exactly one variable of the caller besides this

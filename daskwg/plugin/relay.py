@@ -4,7 +4,7 @@ A result that several ranks of one call take whole (a future passed to a ``ONE_T
 method, ``DataProtoFuture.concat([f])`` given to every rank: weights, a shared batch) is
 relayed along a chain of its consumers, which the driver orders: the first fetches it from
 the producing rank's worker, each next one from the previous consumer's worker
-(:attr:`daskwg.wire.ResultRef.via`), chunk by chunk as the bytes arrive there. So the
+(:attr:`daskwg.wire.messages.ResultRef.via`), chunk by chunk as the bytes arrive there. So the
 producer sends the value once whatever the number of consumers, and the chain's transfers
 overlap: the last consumer has it about one transfer plus one chunk per hop after the first
 started. A consumer whose next consumer never asks (its worker died, its call never came)
@@ -13,7 +13,7 @@ producer instead; a consumer whose previous one fails does the same, from where 
 
 Each consumer receives straight into buffers of its own (numpy allocations, which get huge
 pages), and its rank uses them in place, without a copy, once its next consumer has them all
-(:attr:`daskwg.wire.ResultRef.relays`): nothing a rank does to its argument reaches another.
+(:attr:`daskwg.wire.messages.ResultRef.relays`): nothing a rank does to its argument reaches another.
 
 The ``daskwg_relay`` handler answers a request with one message (the value's pickle header
 and buffer sizes), then writes the buffers' bytes raw on the connection's stream, which the
@@ -33,10 +33,10 @@ from distributed.comm.core import CommClosedError
 from distributed.core import Status
 from distributed.protocol import to_serialize
 
-from .. import serialization
-from ..buffers import receive_buffer
 from ..errors import WorkerLostError
-from ..wire import ResultRef
+from ..serialization import pickling as serialization
+from ..wire.buffers import receive_buffer
+from ..wire.messages import ResultRef
 from .exceptions import picklable
 from .results import ResultStore
 

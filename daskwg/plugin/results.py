@@ -1,7 +1,7 @@
 """Results of non-blocking calls kept on this worker: :class:`ResultStore`.
 
 A non-blocking call's result stays on its rank's worker under a key the driver owns
-(:class:`daskwg.wire.ResultRef`), until the driver lets go of it. When the driver registers
+(:class:`daskwg.wire.messages.ResultRef`), until the driver lets go of it. When the driver registers
 the key with the scheduler (something waits for it through Dask, or it has lived a while;
 most results of an RL step are dropped before), the result moves into the worker's data the
 way ``client.scatter`` stores data (``daskwg_publish``: ``Worker.update_data``), so Dask's
@@ -34,9 +34,9 @@ from typing import Any
 from distributed.protocol import to_serialize
 from distributed.worker_state_machine import FreeKeysEvent
 
-from .. import serialization
 from ..errors import GroupBrokenError
-from ..wire import ResultRef
+from ..serialization import pickling as serialization
+from ..wire.messages import ResultRef
 from .exceptions import picklable
 from .rows import part_info_of
 
@@ -244,7 +244,7 @@ class ResultStore:
         return {"status": "OK", "data": to_serialize(packed)}
 
     async def _handle_part_info(self, key: str, session: str, seq: int, source: str = "") -> dict:
-        """``daskwg_part_info``: the :class:`~daskwg.wire.PartInfo` of a ``DataProtoFuture`` part here."""
+        """``daskwg_part_info``: the :class:`~daskwg.wire.messages.PartInfo` of a ``DataProtoFuture`` part here."""
         try:
             value = await self.wait(ResultRef(key, self.worker.address, session, seq, source=source))
             info = part_info_of(value, key, self.worker.address)

@@ -5,7 +5,7 @@ A consuming rank needs only its own rows of a batch that other ranks produced
 (verl's NeoProto and RFC #5400: each rank materialises only the rows it owns). It
 learns where every part is and how many rows it has from one small :class:`PartInfo`
 per part (a Dask task pinned next to the part, :func:`part_info`), works out which
-rows of which parts its piece needs (:func:`daskwg.futures.evaluate`), and asks the
+rows of which parts its piece needs (:func:`daskwg.futures.future.evaluate`), and asks the
 workers holding them for exactly those rows and columns through the
 ``daskwg_rows`` comm handler (:func:`install`), which slices the stored value
 without copying and sends the slice's own bytes. Parts on the rank's own worker are
@@ -25,11 +25,12 @@ from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
 
-from .. import foreign, serialization
+from .. import foreign
 from ..errors import GroupBrokenError
-from ..futures import concat_parts, evaluate, rows_of, select_columns
+from ..futures.future import concat_parts, evaluate, rows_of, select_columns
 from ..protocol import DataProto
-from ..wire import PartInfo
+from ..serialization import pickling as serialization
+from ..wire.messages import PartInfo
 from . import gathered
 
 __all__ = ["part_info", "part_info_of", "part_released", "evaluate_on_worker", "install", "MAP_FRACTION"]
@@ -52,7 +53,7 @@ def _value(stored: Any) -> Any:
 
 def part_info(value: Any, key: str) -> PartInfo:
     """Where part ``key`` is, its rows and ``meta_info``: the body of the task
-    (:data:`daskwg.wire.PART_INFO`) that runs on the worker holding it.
+    (:data:`daskwg.wire.messages.PART_INFO`) that runs on the worker holding it.
 
     Args:
         value: the part (a ``DataProto`` or ``TensorDict``, or its snapshot).
@@ -122,7 +123,7 @@ def evaluate_on_worker(
 
     Args:
         plan: the future's plan (``DataProtoFuture.plan()[0]``).
-        infos: the :class:`~daskwg.wire.PartInfo` of every part, by part number.
+        infos: the :class:`~daskwg.wire.messages.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
         lookup: ``key -> stored value`` of parts on this worker.
         mapped: ``[part number, ...] -> [the whole part mapped copy-on-write from its

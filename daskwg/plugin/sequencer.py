@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GroupBrokenError
-from ..wire import of_client
+from ..wire.messages import of_client
 
 __all__ = ["Sequencer"]
 
@@ -93,7 +93,7 @@ class Sequencer:
                 self._release(state)
 
     def forget(self, client: str) -> None:
-        """A driver's client left: calls of its sessions (:func:`daskwg.wire.session_id`)
+        """A driver's client left: calls of its sessions (:func:`daskwg.wire.messages.session_id`)
         from now on are refused, not queued, except those that outlive it (see
         :meth:`submit`), which keep their order: their numbers still count on. A session
         of that client not seen yet (the client reconnected and numbers afresh) is a new one."""

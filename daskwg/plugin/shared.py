@@ -11,7 +11,7 @@ consumers, sends nothing but the header, and a consumer's in-place changes stay 
 (the kernel copies the pages it writes). Ray's object store gives its actors the same
 route (one copy in shared memory, mapped by every reader on the host).
 
-Files are reused, as receive buffers are (``daskwg.buffers``): an RL job shares weights of
+Files are reused, as receive buffers are (``daskwg.wire.buffers``): an RL job shares weights of
 one size every step, and writing into pages already allocated costs a fraction of
 allocating fresh ones. A consumer holds a shared ``flock(2)`` on the file for as long as
 anything it built over the mapping lives; the producer rewrites a file only when it can take
@@ -44,10 +44,10 @@ from typing import Any
 
 from distributed.protocol import to_serialize
 
-from .. import serialization
-from ..buffers import pool_limit
-from ..memfiles import File, available, create, layout, open_mapping, write
-from ..wire import ResultRef
+from ..serialization import pickling as serialization
+from ..wire.buffers import pool_limit
+from ..wire.memfiles import File, available, create, layout, open_mapping, write
+from ..wire.messages import ResultRef
 from .exceptions import picklable
 from .results import ResultStore
 from .rows import part_released

@@ -2,9 +2,9 @@
 
 Drivers send their calls to a worker on call streams (``daskwg.transport.streams``): one
 connection per driver loop and worker, which a Dask comm opened and on which both ends then
-write :class:`daskwg.frames.FrameStream` frames. Each message is one call
-(:func:`daskwg.wire.call_message`, the arguments' buffers beside it); each reply
-(:func:`daskwg.wire.reply_message`) goes out when its call finishes, in whatever order
+write :class:`daskwg.wire.frames.FrameStream` frames. Each message is one call
+(:func:`daskwg.wire.messages.call_message`, the arguments' buffers beside it); each reply
+(:func:`daskwg.wire.messages.reply_message`) goes out when its call finishes, in whatever order
 calls finish, so no connection is held per waiting call.
 
 Everything here runs on the worker's event loop.
@@ -20,11 +20,12 @@ from typing import Any
 
 from distributed.core import Status
 
-from .. import memfiles, serialization
 from ..config import Settings
 from ..errors import safe_str
-from ..frames import FrameStream
-from ..wire import Call, reply_message
+from ..serialization import pickling as serialization
+from ..wire import memfiles
+from ..wire.frames import FrameStream
+from ..wire.messages import Call, reply_message
 
 __all__ = ["serve"]
 
@@ -45,12 +46,12 @@ async def serve(
         comm: the stream's comm (the handler's first argument).
         start: the host's ``start(call, payload, refs, key, inline, relay_wait, reply)``.
         start_plan: ``PlanRunner.start(entries, payload, inline, reply)`` (a step plan's replay,
-            :func:`daskwg.wire.plan_message`).
+            :func:`daskwg.wire.messages.plan_message`).
         free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
             of them before the scheduler heard of them).
         fetch: ``ResultStore.packed(key, session, seq, source)``, the pickled value of a
-            kept result (a :func:`daskwg.wire.fetch_message`), answered as a call's reply.
-        files: the driver's :func:`daskwg.memfiles.probe`, sent by a driver of this host
+            kept result (a :func:`daskwg.wire.messages.fetch_message`), answered as a call's reply.
+        files: the driver's :func:`daskwg.wire.memfiles.probe`, sent by a driver of this host
             (``daskwg.transport.streams``): this side answers whether it maps the driver's
             files (with ``daskwg.shared-memory`` on here too) and with its own probe; the
             driver's ``("files", 0, ok)`` says whether it maps this side's.

@@ -1,5 +1,5 @@
 """The entry point of calls that come as Dask tasks: :func:`run_call`, which the task
-function ``_daskwg_task.run`` imports by name (:data:`daskwg.wire.RUN_CALL`)."""
+function ``_daskwg_task.run`` imports by name (:data:`daskwg.wire.messages.RUN_CALL`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 from distributed import get_worker
 from distributed.worker_state_machine import SecedeEvent
 
-from .. import wire
 from ..errors import GroupBrokenError, RankError
-from ..wire import Call
+from ..wire import messages as wire
+from ..wire.messages import Call
 from .exceptions import shippable
 
 __all__ = ["run_call"]
@@ -23,11 +23,11 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
     """Run one task-path call on this worker's host; Dask keeps what it returns.
 
     Args:
-        call: the :class:`~daskwg.wire.Call`'s fields (``Call.to_wire()``).
+        call: the :class:`~daskwg.wire.messages.Call`'s fields (``Call.to_wire()``).
         payload: ``(INLINE, header, buffers)`` (the arguments pickled once) or
             ``(SCATTERED, value)`` (sent straight to this worker beforehand).
         lazy_values: what Dask resolved for ``DataProtoFuture`` arguments before the task
-            started (their parts, or their :class:`~daskwg.wire.PartInfo`).
+            started (their parts, or their :class:`~daskwg.wire.messages.PartInfo`).
         task_key: this task's key.
     Returns:
         the call's result, snapshotted at return (a ``serialization.Packed``).

@@ -1,8 +1,8 @@
 """The driver side: how calls and data travel between the driver and the ranks.
 
-A group call goes dispatch (``daskwg.dispatch``) → send (this package) → host
-(``daskwg.plugin``, on the workers) → collect (``daskwg.dispatch``). This package never
-imports the worker side: both stand on ``daskwg.wire``.
+A group call goes dispatch (``daskwg.dispatch.modes``) → send (this package) → host
+(``daskwg.plugin``, on the workers) → collect (``daskwg.dispatch.modes``). This package never
+imports the worker side: both stand on ``daskwg.wire.messages``.
 
 * :class:`GroupTransport` (``group_transport``): the facade a group calls; picks each
   call's path and gives it its per-worker sequence numbers.
@@ -23,7 +23,7 @@ this driver, and the worker runs calls strictly in that order whichever way they
 from .call_future import CallFuture
 from .channel import Channel
 from .driver import Driver, GroupRanks
-from .failures import CallWatch, FailureState, fresh_error
+from .failure.state import CallWatch, FailureState, fresh_error
 from .group_transport import GroupTransport
 
 __all__ = [

@@ -5,18 +5,18 @@ A group call may take a ``DataProtoFuture`` or a plain ``distributed.Future`` as
 argument, positional or keyword, or inside a list, tuple or dict argument (a list of
 per-rank futures, say); each rank gets the value it stands for, as Ray resolves object refs
 in actor-call arguments, and the bytes move worker to worker. Each one is replaced by a
-:class:`daskwg.wire.LazyArg` placeholder, and what stands for it travels beside the
+:class:`daskwg.wire.messages.LazyArg` placeholder, and what stands for it travels beside the
 arguments, per placeholder ``(kind, values)``:
 
-* a result of one of this driver's non-blocking calls is a :class:`daskwg.wire.ResultRef`,
+* a result of one of this driver's non-blocking calls is a :class:`daskwg.wire.messages.ResultRef`,
   which the rank fetches from the worker holding it (no scheduler involved);
 * any other Dask future (``client.submit``, ``client.scatter``) stays a future, which Dask
   resolves on the rank's worker: the call then goes as a Dask task (the task path). A
   row-addressable ``DataProtoFuture``'s parts of that kind go as the future of their
-  :class:`~daskwg.wire.PartInfo`, computed next to them.
+  :class:`~daskwg.wire.messages.PartInfo`, computed next to them.
 
 A future nested deeper (inside another object, or in a container inside a container) is
-refused in the driver by the argument packing (``daskwg.serialization``), saying what to
+refused in the driver by the argument packing (``daskwg.serialization.pickling``), saying what to
 pass instead: a rank never meets a Dask future it cannot use.
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 
 from distributed import Future
 
-from .. import wire
 from ..errors import WorkerLostError
-from ..futures import DataProtoFuture
-from ..memfiles import same_host
-from ..wire import LazyArg, ResultRef
+from ..futures.future import DataProtoFuture
+from ..wire import messages as wire
+from ..wire.memfiles import same_host
+from ..wire.messages import LazyArg, ResultRef
 from .driver import Driver
 
 __all__ = ["extract_futures", "plan_relays", "ref_keys", "needs_dask", "source_of"]

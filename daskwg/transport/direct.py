@@ -3,7 +3,7 @@
 
 :meth:`DirectPath.send` runs on the calling thread's own event loop (a
 :class:`~daskwg.transport.channel.Channel`, with streams of its own) or on the client's
-(``client.sync``); the payloads are already packed once (:func:`daskwg.serialization.dumps`),
+(``client.sync``); the payloads are already packed once (:func:`daskwg.serialization.pickling.dumps`),
 and their buffers go out as they are.
 """
 
@@ -16,14 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import serialization, wire
 from ..deadlines import Limit
 from ..errors import GroupBrokenError, RankError, WorkerLostError
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call
 from .driver import GroupRanks
-from .failures import CallWatch, FailureState, transfer_error
+from .failure.state import CallWatch, FailureState, transfer_error
+from .failure.waiting import timeout_error
 from .streams import CallStreams
-from .waiting import timeout_error
 
 __all__ = ["DirectPath"]
 
@@ -78,8 +79,8 @@ class DirectPath:
                 the calling thread's own (``private``), which saves the two thread hops of
                 ``client.sync`` on every call; for the deadline report's status requests.
             streams: the :class:`~daskwg.transport.streams.CallStreams` of the same loop.
-            calls: one :class:`~daskwg.wire.Call` per rank.
-            payloads: per call, a :class:`~daskwg.serialization.Packed`.
+            calls: one :class:`~daskwg.wire.messages.Call` per rank.
+            payloads: per call, a :class:`~daskwg.serialization.pickling.Packed`.
             grace: seconds the other ranks get after one raised.
             private: ``pool`` belongs to a loop that runs only while its thread is in a call.
             limit: the call's deadline.

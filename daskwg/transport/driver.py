@@ -25,10 +25,10 @@ from distributed import Client, Future
 
 from ..config import Settings
 from ..errors import GroupBrokenError, WorkerLostError, WorkerPausedError
-from ..wire import Call, session_id
-from . import losses
-from .calls import AbandonedCall, Inflight, SharedWeakSet, StuckCall, TaskCall
+from ..wire.messages import Call, session_id
 from .channel import Channel
+from .failure import losses
+from .failure.calls import AbandonedCall, Inflight, SharedWeakSet, StuckCall, TaskCall
 from .owned import Owned
 from .streams import CallStreams
 
@@ -83,7 +83,7 @@ class Driver:
 
     def __init__(self, client: Client):
         self.client = client
-        #: the session this driver's calls carry (:func:`daskwg.wire.session_id`); a new one
+        #: the session this driver's calls carry (:func:`daskwg.wire.messages.session_id`); a new one
         #: after each reconnection of the client (:meth:`check_reconnected`).
         self.session = client.id
         self.epoch = 0
@@ -187,7 +187,7 @@ class Driver:
         The scheduler dropped the client with its old connection, so it released the
         client's ranks (not those of detached groups) and the workers forgot its order:
         groups built before are broken (``GroupBrokenError``), and later calls number
-        afresh in a new session (:func:`daskwg.wire.session_id`).
+        afresh in a new session (:func:`daskwg.wire.messages.session_id`).
         """
         comm = self.client.scheduler_comm
         if comm is self._scheduler_comm or comm is None or self.client.status != "running":
@@ -260,7 +260,7 @@ class Driver:
         self.given_up.pop(server_id, None)
 
     def call_of(self, future: Any) -> Call | None:
-        """The :class:`~daskwg.wire.Call` a task-path future of this driver stands for, else ``None``."""
+        """The :class:`~daskwg.wire.messages.Call` a task-path future of this driver stands for, else ``None``."""
         try:
             entry = self.calls.get(future)
         except TypeError:  # not weak-referenceable: not one of ours

@@ -1,4 +1,4 @@
-"""One group's transport: :class:`GroupTransport`, the facade ``daskwg.group`` calls.
+"""One group's transport: :class:`GroupTransport`, the facade ``daskwg.groups.group`` calls.
 
 It picks the path of every call: the direct path for blocking calls (``direct``) and the
 submit path for non-blocking ones (``submit``), both straight to the ranks' workers, with
@@ -18,21 +18,22 @@ from typing import Any
 
 from distributed import Client, Future
 
-from .. import forensics, serialization
 from ..config import Settings
 from ..deadlines import current_limit
 from ..errors import DispatchError, WorkerGroupError
-from ..memfiles import BUFFER_SMALLEST
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire.memfiles import BUFFER_SMALLEST
+from ..wire.messages import Call
 from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays, ref_keys
 from .channel import HeldInterrupt
 from .direct import DirectPath
 from .driver import Driver, GroupRanks
-from .failures import FailureState
-from .heartbeat import Heartbeats
+from .failure import forensics
+from .failure.heartbeat import Heartbeats
+from .failure.state import FailureState
+from .failure.waiting import Waiter
 from .submit import SubmitPath
 from .tasks import TaskPath
-from .waiting import Waiter
 
 __all__ = ["GroupTransport", "pack_arguments"]
 
@@ -53,7 +54,7 @@ class GroupTransport:
 
     Attributes:
         ranks: the group's :class:`~daskwg.transport.driver.GroupRanks`.
-        failures: its :class:`~daskwg.transport.failures.FailureState`.
+        failures: its :class:`~daskwg.transport.failure.state.FailureState`.
     """
 
     def __init__(

@@ -54,9 +54,10 @@ from typing import Any
 from distributed import Client
 from distributed.comm.core import CommClosedError
 
-from .. import serialization, wire
 from ..errors import GroupBrokenError, WorkerLostError
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call
 from .call_future import CallFuture, OwnedState
 from .frees import Frees
 from .streams import CallStreams

@@ -3,7 +3,7 @@
 :class:`PlanPath` numbers every call of the replay in one go (so each worker's calls have
 consecutive sequence numbers, and no other thread's call comes between them), groups the
 calls by worker process, packs each worker's arguments once and writes one
-:func:`daskwg.wire.plan_message` on that worker's call stream. The calls whose results the
+:func:`daskwg.wire.messages.plan_message` on that worker's call stream. The calls whose results the
 driver sees get :class:`~daskwg.transport.owned.CallFuture`\\ s, settled from the one reply:
 with the submit path's errors (a rank that raised gives its ``RankError``, a stream that
 closed a ``WorkerLostError``), so waiting on them is waiting on ordinary non-blocking calls.
@@ -21,18 +21,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import forensics, serialization, wire
 from ..config import Settings
 from ..deadlines import Limit
 from ..errors import GroupBrokenError
-from ..wire import Call, Slot
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call, Slot
 from .call_future import CallFuture
 from .driver import Driver, TaskCall
-from .failures import TRANSFER_ERRORS, transfer_error
+from .failure import forensics
+from .failure.state import TRANSFER_ERRORS, transfer_error
+from .failure.waiting import timeout_error
 from .group_transport import pack_arguments
 from .streams import CallStreams
 from .submit import OPENING_WAIT
-from .waiting import timeout_error
 
 __all__ = ["PlanEntry", "PlanPath", "Replay"]
 
@@ -48,7 +50,7 @@ class PlanEntry:
         rank: the rank.
         method: the method.
         call_number: the driver's number of the group call this is a rank's part of (keys).
-        payload: ``(args, kwargs)``; a :class:`~daskwg.wire.Slot` among them names the
+        payload: ``(args, kwargs)``; a :class:`~daskwg.wire.messages.Slot` among them names the
             entry (its index in the replay) whose output it is, on the same rank.
         result: what becomes of its result: ``"keep"`` (it stays on the worker under the key
             of a future the driver gets), ``"return"`` (it comes back with the reply, as a
@@ -462,7 +464,7 @@ async def _timeout_error(
     waited: float,
     status_timeout: float,
 ) -> BaseException:
-    """:func:`~daskwg.transport.waiting.timeout_error` of the calls the ranks are running
+    """:func:`~daskwg.transport.failure.waiting.timeout_error` of the calls the ranks are running
     (per rank, the one of its unfinished ``candidates`` its worker runs, else the first)."""
     addresses = {rank: ranks.address(rank) for rank in candidates}
     answers = await forensics.query_status(rpc, list(set(addresses.values())), status_timeout)

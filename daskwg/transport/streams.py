@@ -1,7 +1,7 @@
 """Call streams: one connection per worker process for a loop's calls to it and their
 replies (:class:`CallStreams`; the worker side is ``daskwg.plugin.stream``).
 
-A call is one message on its worker's stream (:class:`daskwg.frames.FrameStream` frames),
+A call is one message on its worker's stream (:class:`daskwg.wire.frames.FrameStream` frames),
 written as soon as the call is made; its reply, tagged with the call's id, comes when the
 call finishes, in whatever order calls finish. Any number of calls may wait in a worker's
 queue at the cost of one connection, and a call costs one write and one read on each side.
@@ -28,10 +28,10 @@ import dask.config
 from dask.utils import parse_timedelta
 from distributed.comm import connect
 
-from .. import local_link, memfiles
 from ..config import Settings
-from ..frames import FrameStream
-from ..memfiles import same_host
+from ..wire import local_link, memfiles
+from ..wire.frames import FrameStream
+from ..wire.memfiles import same_host
 
 __all__ = ["CallStreams", "StreamClosed"]
 
@@ -75,7 +75,7 @@ class _Stream:
             raise
 
     async def _connect(self) -> FrameStream:
-        # A worker of this host is reached over its Unix-domain socket (daskwg.local_link).
+        # A worker of this host is reached over its Unix-domain socket (daskwg.wire.local_link).
         comm = await local_link.connect(self.address, self.server_id)
         if comm is None:
             comm = await connect(self.address, **self.connection_args)
@@ -165,7 +165,7 @@ class _Stream:
 
 def _probe(comm: Any) -> dict | None:
     """What the worker opens to learn whether it can map this process's files
-    (:func:`daskwg.memfiles.probe`): only to a worker of this host, with
+    (:func:`daskwg.wire.memfiles.probe`): only to a worker of this host, with
     ``daskwg.shared-memory`` on; else ``None`` (every byte over the socket)."""
     if not Settings.current().shared_memory or getattr(comm, "stream", None) is None:
         return None

@@ -4,7 +4,7 @@ returning at once with one :class:`~daskwg.transport.owned.CallFuture` per rank,
 result stays on the rank's worker under a key the driver owns.
 
 The futures' keys read like task keys on the dashboard
-(``"<group>.<method>-<call>-r<rank>-<id8>"``, :func:`daskwg.wire.task_key`). Failures reach
+(``"<group>.<method>-<call>-r<rank>-<id8>"``, :func:`daskwg.wire.messages.task_key`). Failures reach
 them with the blocking path's errors: a rank that raised gives its ``RankError``, a stream
 that closed a ``WorkerLostError``.
 """
@@ -19,12 +19,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import serialization, wire
 from ..config import Settings
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call
 from .call_future import CallFuture
 from .driver import GroupRanks, TaskCall
-from .failures import TRANSFER_ERRORS, FailureState, transfer_error
+from .failure.state import TRANSFER_ERRORS, FailureState, transfer_error
 
 __all__ = ["SubmitPath"]
 

@@ -5,14 +5,14 @@ stay on the workers as Dask futures. Every other call goes straight to its worke
 
 Each call is one task pinned to its rank's worker (``workers=[address]``,
 ``allow_other_workers=False``, ``pure=False``, no retries), keyed
-``"<group>.<method>-<call>-r<rank>-<id>"`` (:func:`daskwg.wire.task_key`). The scheduler
+``"<group>.<method>-<call>-r<rank>-<id>"`` (:func:`daskwg.wire.messages.task_key`). The scheduler
 never holds a batch and never unpickles anything of torch or daskwg: the task's function
-is ``_daskwg_task.run`` naming the worker-side function (:data:`daskwg.wire.RUN_CALL`),
+is ``_daskwg_task.run`` naming the worker-side function (:data:`daskwg.wire.messages.RUN_CALL`),
 its arguments are plain data (the call as a tuple, the arguments pickled once), and
 arguments over ``daskwg.scatter-above`` bytes are sent by the driver straight to the
 rank's worker (``client.scatter(..., workers=[address], direct=True)``) and referenced
 by key. A ``DataProtoFuture`` argument's parts of that kind reach a rank as one small
-:class:`daskwg.wire.PartInfo` per part; the rank then fetches only its rows from the
+:class:`daskwg.wire.messages.PartInfo` per part; the rank then fetches only its rows from the
 workers holding them.
 """
 
@@ -29,9 +29,10 @@ from distributed import Future, fire_and_forget
 
 import _daskwg_task
 
-from .. import serialization, wire
 from ..config import Settings
-from ..wire import Call
+from ..serialization import pickling as serialization
+from ..wire import messages as wire
+from ..wire.messages import Call
 from .driver import GroupRanks, TaskCall
 
 __all__ = ["TaskPath"]
@@ -155,7 +156,7 @@ class TaskPath:
         return [s[name] for s, (name, _, _) in zip(scattered, items)]
 
     def part_info(self, part: Future) -> Future:
-        """The future of a ``DataProtoFuture`` part's :class:`~daskwg.wire.PartInfo`, computed
+        """The future of a ``DataProtoFuture`` part's :class:`~daskwg.wire.messages.PartInfo`, computed
         once, next to the part (a Dask task: the part is a future no group call made)."""
         driver = self.ranks.driver
         key = str(part.key)

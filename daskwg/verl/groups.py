@@ -9,14 +9,15 @@ from typing import Any
 
 from distributed import Client, get_client
 
-from .. import foreign, records
-from ..binding import split_or_broadcast
-from ..colocate import ColocatedWorker
-from ..colocate import create_colocated_worker_cls as _create_colocated
-from ..decorator import Dispatch, Execute, RegisteredMethod, get_predefined_dispatch_fn
-from ..dispatch import collect_all_to_all
-from ..futures import DataProtoFuture
-from ..group import WorkerGroup, attach_ranks
+from .. import foreign
+from ..dispatch.modes import collect_all_to_all
+from ..dispatch.register import Dispatch, Execute, RegisteredMethod, get_predefined_dispatch_fn
+from ..futures.future import DataProtoFuture
+from ..groups.binding import split_or_broadcast
+from ..groups.colocate import ColocatedWorker
+from ..groups.colocate import create_colocated_worker_cls as _create_colocated
+from ..groups.group import WorkerGroup, attach_ranks
+from ..wire import records
 from ..worker import ClassWithInitArgs
 from .pools import RayResourcePool, random_prefix
 

@@ -13,7 +13,7 @@ from typing import Any
 from distributed import Client, get_client
 
 from ..errors import WorldSizeError
-from ..pool import ResourcePool
+from ..groups.pool import ResourcePool
 
 __all__ = [
     "RayResourcePool",

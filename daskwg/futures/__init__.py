@@ -1,0 +1,13 @@
+"""Futures: a ``DataProtoFuture`` (a batch still on the workers) and its row algebra.
+
+* ``future``: :class:`DataProtoFuture`, its lazy algebra (``union``, ``select``,
+  ``repeat``, ``rename``, ``chunk``, ``concat``) and the row plan it builds.
+* ``pieces``: how a batch is cut into one piece per rank, padded as ``DP_COMPUTE_PROTO``
+  pads it.
+
+The names of ``future`` are re-exported here, where ``daskwg.futures`` named them before it
+became a package.
+"""
+
+from .future import *  # noqa: F403
+from .future import __all__  # noqa: F401

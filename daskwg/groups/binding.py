@@ -1,0 +1,201 @@
+"""What every group of ranks has: its class's registered methods bound as attributes,
+and verl's ``execute_*`` calls: :class:`BoundGroup`, the base of
+:class:`~daskwg.groups.group.WorkerGroup` and of the role groups of colocation.
+
+A call of a bound method runs verl's three steps: **dispatch** (the mode's
+``dispatch_fn`` splits the arguments per rank, ``daskwg.dispatch.modes``), **execute** (the group
+sends one call per rank, ``daskwg.transport``) and **collect** (the mode's ``collect_fn``
+merges the per-rank results; padding added by the dispatch is taken off,
+:func:`daskwg.protocol.unpad_rows`). Mirrors verl's ``WorkerGroup._bind_worker_method``
+and ``RayWorkerGroup``'s ``execute_*``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from distributed import Future
+
+from ..dispatch.calling import collect, cut
+from ..dispatch.modes import dispatch_all_to_all, dispatch_one_to_all
+from ..dispatch.register import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
+from ..plans import plan as plans
+
+__all__ = ["BoundGroup", "split_or_broadcast"]
+
+#: Attributes of a group that no registered method may shadow.
+RESERVED = frozenset({"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"})
+
+
+def split_or_broadcast(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """A dispatch function with verl's ``execute_all`` rule (what verl's ``ALL_TO_ALL``
+    amounts to): arguments that are all lists of ``world_size`` entries are split one per
+    rank, any others go to every rank as given. ``execute_all_*`` and ``daskwg.verl``'s
+    groups use it."""
+    n = worker_group.world_size
+    if all(isinstance(v, list) and len(v) == n for v in (*args, *kwargs.values())):
+        return dispatch_all_to_all(worker_group, *args, **kwargs)
+    return dispatch_one_to_all(worker_group, *args, **kwargs)
+
+
+class BoundGroup:
+    """A set of ranks whose class's registered methods are bound as attributes.
+
+    Subclasses set ``_cls`` (the class whose methods are bound), ``_name``,
+    ``_dispatch_info`` and ``_collect_info`` (mesh caches), call
+    :meth:`_bind_registered_methods`, and provide ``world_size``, :meth:`_check_usable`,
+    :meth:`_deliver` and :meth:`_gather_any`.
+    """
+
+    _cls: type
+    _name: str
+    _methods: dict[str, RegisteredMethod]
+    _dispatch_info: dict[str, list[int]]
+    _collect_info: dict[str, list[bool]]
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def method_names(self) -> list[str]:
+        """Names of the registered methods bound on this group."""
+        return sorted(self._methods)
+
+    # ---- verl's execute_* ------------------------------------------------------------
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Run ``method_name`` on every rank and wait; returns the per-rank results.
+
+        An argument that is a list of exactly ``world_size`` items (all arguments
+        being such lists) is split one item per rank; otherwise every rank gets every
+        argument, as verl's ``execute_all_async`` does.
+        """
+        return self._execute_all(method_name, args, kwargs, blocking=True)
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
+        """As :meth:`execute_all_sync` but returns one ``distributed.Future`` per rank."""
+        return self._execute_all(method_name, args, kwargs, blocking=False)
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Future]:
+        """Alias of :meth:`execute_all_async`, as in verl."""
+        return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method_name`` on rank 0 only and return its result."""
+        return self._send(method_name, [0], [(args, kwargs)], blocking=True)[0]
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``method_name`` on rank 0 only; returns its ``distributed.Future``."""
+        return self._send(method_name, [0], [(args, kwargs)], blocking=False)[0]
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Future:
+        """Alias of :meth:`execute_rank_zero_async`, as in verl."""
+        return self.execute_rank_zero_async(method_name, *args, **kwargs)
+
+    # ---- binding and calling ---------------------------------------------------------
+
+    def _bind_registered_methods(self) -> dict[str, RegisteredMethod]:
+        methods = {}
+        for attr_name, attr in inspect.getmembers(self._cls):
+            registered = get_registered_method(attr)
+            if registered is None:
+                continue
+            if attr_name in RESERVED or any(attr_name in vars(c) for c in type(self).__mro__):
+                raise ValueError(
+                    f"{self._cls.__name__}.{attr_name} is registered but clashes with the WorkerGroup "
+                    "attribute of that name; rename the method"
+                )
+            bound = functools.partial(self._call_registered, attr_name, registered)
+            functools.update_wrapper(bound, attr)
+            setattr(self, attr_name, bound)
+            methods[attr_name] = registered
+        return methods
+
+    def _dispatch_fns(self, registered: RegisteredMethod) -> dict[str, Any]:
+        """The ``{"dispatch_fn", "collect_fn"}`` a call of ``registered`` runs with: its mode's
+        (``daskwg.verl``'s groups give ``ALL_TO_ALL`` verl's meaning here)."""
+        return get_predefined_dispatch_fn(registered.dispatch_mode)
+
+    def _call_registered(
+        self, method_name: str, registered: RegisteredMethod, *args: Any, **kwargs: Any
+    ) -> Any:
+        step = plans.recording()
+        if step is not None:  # inside daskwg.plan(): recorded, run when the step is replayed
+            return step.record(self, method_name, registered, args, kwargs)
+        fns = self._dispatch_fns(registered)
+        self._check_usable(method_name)
+        ranks = [0] if registered.execute_mode == Execute.RANK_ZERO else list(range(self.world_size))
+        payloads, pad_size = cut(self, method_name, fns, args, kwargs, ranks)
+        # The group lets go of the parts, so concatenation can free each one as it goes.
+        return collect(
+            self,
+            method_name,
+            registered,
+            fns,
+            self._send(
+                method_name, ranks, payloads, blocking=registered.blocking, timeout=registered.timeout
+            ),
+            ranks,
+            pad_size,
+        )
+
+    def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
+        n = self.world_size
+        d_args, d_kwargs = split_or_broadcast(self, *args, **kwargs)
+        payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in range(n)]
+        return self._send(method_name, list(range(n)), payloads, blocking=blocking)
+
+    def _send(
+        self, method_name: str, ranks: list[int], payloads: list, *, check: bool = True, **options: Any
+    ) -> list:
+        """Send one call to each of ``ranks`` (:meth:`_deliver`), after checking (unless
+        ``check`` is false, as for shutdown) that the group is usable and has the method.
+
+        Raises:
+            GroupBrokenError, WorkerLostError: the group is not usable.
+            AttributeError: the class has no such method.
+        """
+        if check and plans.recording() is not None:
+            raise RuntimeError(
+                f"{self._name}.{method_name}: a step plan records the group's registered methods, not "
+                "execute_* calls or shutdown; make this call outside the with daskwg.plan() block"
+            )
+        if check:
+            self._check_usable(method_name)
+            if method_name not in self._methods and not hasattr(self._cls, method_name):
+                raise AttributeError(
+                    f"{self._describe_class()} has no method {method_name!r}; registered methods: "
+                    f"{sorted(self._methods)}"
+                )
+        return self._deliver(method_name, ranks, payloads, check=check, **options)
+
+    def _describe_class(self) -> str:
+        return self._cls.__name__
+
+    def _check_usable(self, method_name: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, method_name: str, ranks: list[int], payloads: list, **options: Any) -> list:
+        raise NotImplementedError
+
+    def _gather_any(self, futures: list) -> list:
+        raise NotImplementedError
+
+    def __getattr__(self, item: str) -> Any:
+        # Only reached for names that are not attributes: unknown methods.
+        if item.startswith("__") or item in ("_methods", "_cls"):
+            raise AttributeError(item)
+        methods = self.__dict__.get("_methods", {})
+        cls = self.__dict__.get("_cls")
+        cls_name = cls.__name__ if cls is not None else "the worker class"
+        hint = (
+            f"{cls_name}.{item} exists but is not decorated with @register"
+            if cls is not None and hasattr(cls, item)
+            else f"{cls_name} has no method {item!r}"
+        )
+        raise AttributeError(
+            f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}"
+        )

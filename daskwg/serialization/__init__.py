@@ -1,0 +1,11 @@
+"""Serialization: how values are pickled, measured and snapshotted when they cross processes.
+
+* ``pickling``: the pickler (``dumps``/``loads``), result snapshots, message parts and
+  the registration of daskwg's types with Dask's serializers and ``sizeof``.
+
+The names of ``pickling`` are re-exported here, where ``daskwg.serialization`` named them
+before it became a package.
+"""
+
+from .pickling import *  # noqa: F403
+from .pickling import __all__  # noqa: F401

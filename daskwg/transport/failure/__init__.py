@@ -1,0 +1,9 @@
+"""The driver side's failure model: how the driver learns that a call cannot finish.
+
+* ``state``: one group's failure state (``FailureState``) and ``CallWatch``.
+* ``losses``: what a removed worker means, in words; futures failed with typed errors.
+* ``calls``: the calls the driver still has to account for (stuck, abandoned, in flight).
+* ``heartbeat``: TCP keepalive to every worker of the driver's groups.
+* ``waiting``: waits on task-path futures, and the deadline report of any wait.
+* ``forensics``: what the ranks are doing (``wg.status()``, ``CallTimeoutError``).
+"""
