@@ -425,9 +425,12 @@ class WorkerGroup(BoundGroup):
                     [self._slots[r].address for r in sorted(busy)],
                 )
             if later:
-                # Queued behind the busy calls; run even if their futures go (a task is kept).
+                # Queued behind the busy calls; their futures may go: the calls run all the
+                # same (a direct call's result is dropped when it comes; a task is kept).
                 futures = self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
-                fire_and_forget([f for f in futures if not isinstance(f, CallFuture)])
+                tasks = [f for f in futures if not isinstance(f, CallFuture)]
+                if tasks:
+                    fire_and_forget(tasks)
             if alive:
                 with deadline(Settings.current().shutdown_timeout):
                     self._send(

@@ -250,7 +250,23 @@ class Driver:
         thread: sent from the client's event loop, and sent again while the worker does not
         answer (stopped, its event loop blocked), for up to :data:`SKIP_RETRY_S` seconds,
         until it is lost or the client closes."""
-        self.client.loop.add_callback(_skip, self, address, server_id, session, list(seqs))
+        self.client.loop.add_callback(self._skip, address, server_id, session, list(seqs))
+
+    async def _skip(self, address: str, server_id: str | None, session: str, seqs: list[int]) -> None:
+        give_up_at, delay = time.monotonic() + SKIP_RETRY_S, 0.2
+        while self.client.status in ("running", "connecting") and server_id not in self.lost:
+            try:
+                # Dask's rpc: a connect timeout (distributed.comm.timeouts.connect) bounds it.
+                await self.client.rpc(address).daskwg_skip(session=session, seqs=seqs)
+                return
+            except Exception:  # noqa: BLE001 - not answering now; gone (then nothing waits there)
+                if time.monotonic() + delay > give_up_at:
+                    logger.warning(
+                        "calls %s of session %s could not be skipped on %s", seqs, session, address
+                    )
+                    return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
     def revoke(self, server_id: str) -> None:
         """Clear the lost mark :meth:`unreachable` set: the same process answers again.
@@ -504,20 +520,3 @@ class Driver:
         now = time.monotonic()
         entries = [(slot, self._live(table, slot.server_id)) for slot in slots]
         return [(slot, entry.describe(now)) for slot, entry in entries if entry is not None]
-
-
-async def _skip(driver: Driver, address: str, server_id: str | None, session: str, seqs: list[int]) -> None:
-    """:meth:`Driver.skip` on the client's event loop."""
-    client = driver.client
-    give_up_at, delay = time.monotonic() + SKIP_RETRY_S, 0.2
-    while client.status in ("running", "connecting") and server_id not in driver.lost:
-        try:
-            # Dask's rpc: a connect timeout (distributed.comm.timeouts.connect) bounds it.
-            await client.rpc(address).daskwg_skip(session=session, seqs=seqs)
-            return
-        except Exception:  # noqa: BLE001 - not answering now; gone (then nothing waits there)
-            if time.monotonic() + delay > give_up_at:
-                logger.warning("calls %s of session %s could not be skipped on %s", seqs, session, address)
-                return
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 10.0)
