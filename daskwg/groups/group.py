@@ -33,7 +33,7 @@ from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
 
-__all__ = ["WorkerGroup", "ClassWithInitArgs", "attach_ranks"]
+__all__ = ["WorkerGroup", "ClassWithInitArgs"]
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +375,7 @@ class WorkerGroup(BoundGroup):
 
         Returns:
             a ``WorkerGroup`` on the same ranks (same workers, same objects, same state).
+
         Raises:
             ValueError: no detached group of that name exists.
             GroupBrokenError: one of its workers has left or restarted since.
@@ -383,8 +384,35 @@ class WorkerGroup(BoundGroup):
         if record is None or not record.detached:
             raise ValueError(f"there is no detached group named {name!r} on this cluster")
         self = cls.__new__(cls)
-        attach_ranks(self, client, name, record)
+        self._attach_ranks(client, name, record)
         return self
+
+    def _attach_ranks(self, client: Client, name: str, record: records.GroupRecord) -> None:
+        """Make ``self``, a group object not built yet, the group on the live ranks ``record``
+        describes: :meth:`attach`, and verl's reattaching (``daskwg.verl``), which
+        takes groups not built detached too.
+
+        Raises:
+            GroupBrokenError: one of its workers has left or restarted since.
+        """
+        try:
+            pool = ResourcePool(client, workers=list(record.workers))
+        except ValueError:
+            pool = None
+        if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
+            raise GroupBrokenError(
+                f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
+            )
+        self._setup(
+            client,
+            cloudpickle.loads(record.cls),
+            name,
+            record.group_id,
+            pool.slots,
+            record.owner,
+            detached=record.detached,
+        )
+        self._master_addr, self._master_port = record.master_addr, record.master_port
 
     # ---- building and destroying -------------------------------------------------------
 
@@ -472,34 +500,6 @@ class WorkerGroup(BoundGroup):
 
     def _gather_any(self, futures: list) -> list:
         return self._transport.gather_any(futures)
-
-
-def attach_ranks(self: WorkerGroup, client: Client, name: str, record: records.GroupRecord) -> None:
-    """Make ``self``, a group object not built yet, the group on the live ranks ``record``
-    describes: :meth:`WorkerGroup.attach`, and verl's reattaching (``daskwg.verl``), which
-    takes groups not built detached too.
-
-    Raises:
-        GroupBrokenError: one of its workers has left or restarted since.
-    """
-    try:
-        pool = ResourcePool(client, workers=list(record.workers))
-    except ValueError:
-        pool = None
-    if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
-        raise GroupBrokenError(
-            f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
-        )
-    self._setup(
-        client,
-        cloudpickle.loads(record.cls),
-        name,
-        record.group_id,
-        pool.slots,
-        record.owner,
-        detached=record.detached,
-    )
-    self._master_addr, self._master_port = record.master_addr, record.master_port
 
 
 def _verl_env(group: WorkerGroup, local_world_size: int, local_rank: int) -> dict[str, str]:
