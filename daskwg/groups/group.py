@@ -22,7 +22,8 @@ from .. import foreign
 from ..config import Settings
 from ..deadlines import current_limit, deadline
 from ..errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
-from ..transport import CallFuture, GroupTransport, fresh_error
+from ..transport import CallFuture, GroupTransport
+from ..transport.failure.state import fresh_error
 from ..wire import records
 from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs

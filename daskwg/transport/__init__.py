@@ -23,7 +23,7 @@ this driver, and the worker runs calls strictly in that order whichever way they
 from .call_future import CallFuture
 from .channel import Channel
 from .driver import Driver, GroupRanks
-from .failure.state import CallWatch, FailureState, fresh_error
+from .failure.state import CallWatch, FailureState
 from .group_transport import GroupTransport
 
 __all__ = [
@@ -34,5 +34,4 @@ __all__ = [
     "CallWatch",
     "FailureState",
     "GroupTransport",
-    "fresh_error",
 ]
