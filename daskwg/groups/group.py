@@ -106,7 +106,7 @@ class WorkerGroup(BoundGroup):
                 pool = ResourcePool(client, world_size=world_size, workers=pool.workers)
         else:
             # Workers busy with a call this driver abandoned are passed over while others match.
-            busy = GroupTransport.driver_of(client).busy_call
+            busy = GroupTransport.driver_of(client).sequencer.busy_call
             pool = pick_free(client, world_size, workers, dict(resources) if resources else None, busy)
         group_id = uuid.uuid4().hex
         self._setup(
@@ -329,7 +329,7 @@ class WorkerGroup(BoundGroup):
         old_slots = self._slots
         check_restartable(self._client, old_slots, self._name)
         self._transport.close()
-        self._slots = restart_workers(self._client, old_slots, self._transport.driver.lost, self._name)
+        self._slots = restart_workers(self._client, old_slots, self._transport.driver.health.lost, self._name)
         self._transport = GroupTransport(
             self._client, self._slots, self._name, self._group_id, self._owner, detached=self._detached
         )
@@ -434,7 +434,7 @@ class WorkerGroup(BoundGroup):
         )
 
     def _destroy_ranks(self) -> None:
-        lost = self._transport.driver.lost
+        lost = self._transport.driver.health.lost
         alive = [r for r, s in enumerate(self._slots) if s.server_id not in lost]
         # A rank busy with a call (a broken group's straggler, a call abandoned by a deadline
         # or Ctrl-C) destroys its object when that call returns: not waited for, nor are the

@@ -6,8 +6,10 @@ imports the worker side: both stand on ``daskwg.wire.messages``.
 
 * :class:`GroupTransport` (``group_transport``): the facade a group calls; picks each
   call's path and gives it its per-worker sequence numbers.
-* :class:`Driver` (``driver``): per-client state shared by all groups of one ``Client``
-  (sequence counters, what the scheduler said of the workers), and ``GroupRanks``.
+* :class:`Driver` (``driver``): the per-client object shared by all groups of one
+  ``Client``, holding its two parts, and ``GroupRanks``.
+* ``sequencing``: the driver's per-worker sequence numbers, sessions and skips (owned by
+  the calling threads); what the scheduler said of the workers is ``failure.health``.
 * ``channel``: a driver thread's own event loop and connection pool (blocking calls).
 * ``failures``: one group's failure state; ``CallWatch``.
 * ``direct``: blocking calls straight to the workers' ``daskwg_call`` handler, one round
