@@ -13,7 +13,7 @@ calls the driver stopped waiting for (abandoned).
 Threads. The calling threads own this state: any driver thread, for any group, takes
 numbers, and records and checks the calls it would queue behind.
 
-* Numbers and the session are taken together under :attr:`Sequencer.lock`, so calls from
+* Numbers and the session are taken together under the sequencer's lock, so calls from
   several threads get the same relative order on every worker, and a reconnection noticed
   by another thread cannot come between a session and its numbers.
 * The stuck and abandoned records are single dict assignments and lookups (atomic under
@@ -70,21 +70,46 @@ class Sequencer:
     def __init__(self, client: Client, health: WorkerHealth):
         self.client = client
         self.health = health
-        #: the session this driver's calls carry (:func:`daskwg.wire.messages.session_id`); a new one
-        #: after each reconnection of the client (:meth:`renew_session`).
-        self.session = client.id
-        self.epoch = 0
+        # the session this driver's calls carry (:func:`daskwg.wire.messages.session_id`); a new one
+        # after each reconnection of the client (:meth:`renew_session`).
+        self._session = client.id
+        self._epoch = 0
         self._scheduler_comm = client.scheduler_comm
-        self.lock = threading.Lock()
-        self.next_seq: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self._next_seq: dict[str, int] = defaultdict(int)
         #: server id -> the call its rank is stuck in (a broken group's straggler).
-        self.stuck: dict[str, StuckCall] = {}
+        self._stuck: dict[str, StuckCall] = {}
         # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run, by
         # server id. Later calls to that worker queue behind them, and say so.
-        self.abandoned: dict[str, AbandonedCall] = {}
+        self._abandoned: dict[str, AbandonedCall] = {}
         #: server id -> the highest sequence number of this driver's calls known to have
         #: ended there: calls end in order, so every earlier one has ended too.
-        self.finished: dict[str, int] = {}
+        self._finished: dict[str, int] = {}
+
+    @property
+    def session(self) -> str:
+        """The session this driver's calls carry now."""
+        return self._session
+
+    def record_stuck(self, server_id: str, entry: StuckCall) -> None:
+        """``server_id``'s rank is still running ``entry``'s call after its group broke:
+        nothing is queued behind it (:meth:`check_not_stuck`)."""
+        self._stuck[server_id] = entry
+
+    def record_abandoned(self, server_id: str, entry: AbandonedCall) -> None:
+        """The driver stopped waiting for ``entry``'s call on ``server_id``: later calls
+        there say what they wait for (:meth:`warn_if_abandoned`)."""
+        self._abandoned[server_id] = entry
+
+    def is_stuck(self, server_id: str) -> bool:
+        """Whether ``server_id``'s worker is still stuck in a broken group's call."""
+        entry = self._stuck.get(server_id)
+        return entry is not None and not entry.watch.done()
+
+    def is_abandoned(self, server_id: str) -> bool:
+        """Whether ``server_id``'s worker still runs a call the driver abandoned."""
+        entry = self._abandoned.get(server_id)
+        return entry is not None and not entry.watch.done()
 
     def take_seqs(self, server_ids: Sequence[str]) -> list[int]:
         """The next sequence number of this driver on each of these worker processes
@@ -94,12 +119,12 @@ class Sequencer:
     def numbered(self, server_ids: Sequence[str]) -> tuple[str, list[int]]:
         """:meth:`take_seqs`, with the session they count in (taken together, so a
         reconnection in another thread cannot come between)."""
-        with self.lock:
+        with self._lock:
             seqs = []
             for sid in server_ids:
-                seqs.append(self.next_seq[sid])
-                self.next_seq[sid] += 1
-            return self.session, seqs
+                seqs.append(self._next_seq[sid])
+                self._next_seq[sid] += 1
+            return self._session, seqs
 
     def renew_session(self, comm: Any, groups: Iterable[Any]) -> list | None:
         """Begin a new session if ``comm``, the client's connection to the scheduler, is
@@ -112,14 +137,14 @@ class Sequencer:
         """
         if comm is self._scheduler_comm:
             return None
-        with self.lock:
+        with self._lock:
             if comm is self._scheduler_comm:
                 return None
             self._scheduler_comm = comm
-            self.epoch += 1
-            self.session = session_id(self.client.id, self.epoch)
-            self.next_seq = defaultdict(int)
-            self.finished.clear()  # numbers of the old session
+            self._epoch += 1
+            self._session = session_id(self.client.id, self._epoch)
+            self._next_seq = defaultdict(int)
+            self._finished.clear()  # numbers of the old session
             return list(groups)
 
     def skip(self, address: str, server_id: str | None, session: str, seqs: list[int]) -> None:
@@ -149,14 +174,14 @@ class Sequencer:
 
     def note_finished(self, server_id: str, seq: int) -> None:
         """Call ``seq`` of this driver ended on worker process ``server_id`` (a reply came)."""
-        if seq > self.finished.get(server_id, -1):
-            self.finished[server_id] = seq
+        if seq > self._finished.get(server_id, -1):
+            self._finished[server_id] = seq
 
     def _live(self, table: dict, server_id: str) -> Any:
         entry = table.get(server_id)
         if entry is None:
             return None
-        if entry.watch.done() or 0 <= entry.seq <= self.finished.get(server_id, -1):
+        if entry.watch.done() or 0 <= entry.seq <= self._finished.get(server_id, -1):
             table.pop(server_id, None)
             return None
         return entry
@@ -164,7 +189,7 @@ class Sequencer:
     def busy_call(self, slot: Any) -> StuckCall | AbandonedCall | None:
         """The call ``slot``'s worker is still busy with that nothing should queue behind
         silently: a broken group's straggler, or a call the driver abandoned."""
-        return self._live(self.stuck, slot.server_id) or self._live(self.abandoned, slot.server_id)
+        return self._live(self._stuck, slot.server_id) or self._live(self._abandoned, slot.server_id)
 
     def warn_if_abandoned(self, slots: Sequence[Any], what: str) -> None:
         """Log, once per call, that ``what`` queues behind a call the driver abandoned.
@@ -174,7 +199,7 @@ class Sequencer:
         """
         now = time.monotonic()
         for slot in slots:
-            entry = self._live(self.abandoned, slot.server_id)
+            entry = self._live(self._abandoned, slot.server_id)
             if entry is not None:
                 logger.warning(
                     "%s waits on %s: the worker is %s; wg.status() shows where it is, wg.restart() replaces "
@@ -191,7 +216,7 @@ class Sequencer:
         the stuck call returns (for a collective: its timeout, 30 min by default for
         gloo), which is a hang as far as the user can tell.
         """
-        for slot, busy in self._busy(self.stuck, slots):
+        for slot, busy in self._busy(self._stuck, slots):
             raise GroupBrokenError(
                 f"cannot run {what} on {slot.address}: its host thread is {busy}, and calls "
                 "run one at a time there. Wait for that call to end and retry, let the collective time out "
@@ -207,7 +232,7 @@ class Sequencer:
         Raises:
             GroupBrokenError: naming the call, its group and age, and what to do.
         """
-        for slot, busy in self._busy(self.abandoned, slots):
+        for slot, busy in self._busy(self._abandoned, slots):
             raise GroupBrokenError(
                 f"cannot build {what} on {slot.address}: the worker is {busy}, and calls run "
                 "one at a time there, so the new rank would wait behind it with no deadline. Build the group "
@@ -218,7 +243,7 @@ class Sequencer:
 
     def _busy(self, table: dict, slots: Sequence[Any]) -> list[tuple[Any, str]]:
         """``(slot, what it is busy with)`` for each of ``slots`` whose worker still runs a
-        call recorded in ``table`` (:attr:`stuck` or :attr:`abandoned`)."""
+        call recorded in ``table`` (stuck or abandoned)."""
         now = time.monotonic()
         entries = [(slot, self._live(table, slot.server_id)) for slot in slots]
         return [(slot, entry.describe(now)) for slot, entry in entries if entry is not None]

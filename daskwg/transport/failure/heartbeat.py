@@ -8,9 +8,10 @@ probe it (TCP keepalive every ``daskwg.heartbeat-interval`` seconds, given up
 ``daskwg.heartbeat-timeout`` seconds after the worker's host last acknowledged anything).
 Only the worker host's kernel answers those probes, never its event loop, so a worker
 that is merely busy (a long call, a blocked event loop) is never taken for a lost one. A
-broken heartbeat marks the worker lost to this driver (:meth:`WorkerHealth.unreachable
-<daskwg.transport.failure.health.WorkerHealth.unreachable>`); a worker found answering again when a new
-group uses it is forgiven (:meth:`WorkerHealth.revoke <daskwg.transport.failure.health.WorkerHealth.revoke>`).
+broken heartbeat marks the worker lost to this driver
+(:meth:`~daskwg.transport.failure.health.WorkerHealth.unreachable`); a worker found
+answering again when a new group uses it is forgiven
+(:meth:`~daskwg.transport.failure.health.WorkerHealth.revoke`).
 
 Everything here runs on the client's event loop except :meth:`Heartbeats.follow` and
 :meth:`Heartbeats.unfollow`, which the group's thread calls.
@@ -189,7 +190,7 @@ class Heartbeats:
                 comm.abort()  # a new process there: the old one's mark stays
                 return
             by_session: dict[str, list[int]] = defaultdict(list)
-            for session, seq in driver.health.given_up.get(server_id, ()):
+            for session, seq in driver.health.given_up_calls(server_id):
                 by_session[session].append(seq)
             for session, seqs in by_session.items():
                 # Calls that never arrived would hold every later call of their session.

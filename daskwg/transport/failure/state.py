@@ -162,23 +162,27 @@ class FailureState:
 
     def mark_stuck(self, method: str, pending: list, seqs: dict | None = None) -> list:
         """Record ``(rank, watch)`` pairs still running a failed call on the driver, so
-        that nothing is queued behind them (:meth:`Sequencer.check_not_stuck <daskwg.transport.sequencing.Sequencer.check_not_stuck>`). Returns them."""
+        that nothing is queued behind them
+        (:meth:`~daskwg.transport.sequencing.Sequencer.check_not_stuck`). Returns them."""
         stuck = [(rank, w) for rank, w in pending if not w.done()]
         now = time.monotonic()
         for rank, w in stuck:
-            self.driver.sequencer.stuck[self.ranks.slots[rank].server_id] = StuckCall(
-                self.ranks.name, method, w, now, self._seq_of(rank, w, seqs)
+            self.driver.sequencer.record_stuck(
+                self.ranks.slots[rank].server_id,
+                StuckCall(self.ranks.name, method, w, now, self._seq_of(rank, w, seqs)),
             )
         return stuck
 
     def abandon(self, method: str, pending: list, why: str, seqs: dict | None = None) -> None:
         """Record ``(rank, watch)`` pairs of a call the driver stopped waiting for
         (``why``: "deadline", "interrupted"), so later calls behind it say what they wait
-        for (:meth:`Sequencer.warn_if_abandoned <daskwg.transport.sequencing.Sequencer.warn_if_abandoned>`) and shutdown does not wait on them."""
+        for (:meth:`~daskwg.transport.sequencing.Sequencer.warn_if_abandoned`) and shutdown does
+        not wait on them."""
         now = time.monotonic()
         for rank, watch in pending:
-            self.driver.sequencer.abandoned[self.ranks.slots[rank].server_id] = AbandonedCall(
-                self.ranks.name, method, watch, now, why, self._seq_of(rank, watch, seqs)
+            self.driver.sequencer.record_abandoned(
+                self.ranks.slots[rank].server_id,
+                AbandonedCall(self.ranks.name, method, watch, now, why, self._seq_of(rank, watch, seqs)),
             )
 
     def _seq_of(self, rank: int, watch: Any, seqs: dict | None) -> int:
@@ -208,13 +212,11 @@ class FailureState:
 
     def is_abandoned(self, slot: Any) -> bool:
         """Whether ``slot``'s worker still runs a call the driver abandoned."""
-        entry = self.driver.sequencer.abandoned.get(slot.server_id)
-        return entry is not None and not entry.watch.done()
+        return self.driver.sequencer.is_abandoned(slot.server_id)
 
     def is_stuck(self, slot: Any) -> bool:
         """Whether ``slot``'s worker is still stuck in a broken group's call."""
-        entry = self.driver.sequencer.stuck.get(slot.server_id)
-        return entry is not None and not entry.watch.done()
+        return self.driver.sequencer.is_stuck(slot.server_id)
 
     def check_scheduler(self) -> None:
         """Mark the group broken once its client lost the scheduler.
@@ -277,7 +279,7 @@ class FailureState:
         reason = self.driver.health.lost.get(slot.server_id) or await self._lost_reason(
             slot.address, slot.server_id, f"connection lost: {exc}"
         )
-        reason = self.driver.health.lost.setdefault(slot.server_id, reason)
+        reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
         return fresh_error(self.broken) if self.broken else WorkerLostError(rank, slot.address, str(exc))
 
@@ -305,7 +307,7 @@ class FailureState:
             slot.server_id,
             f"the worker closed while running {call.method!r} ({type(exc).__name__})",
         )
-        reason = self.driver.health.lost.setdefault(slot.server_id, reason)
+        reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
         return fresh_error(self.broken) if self.broken else WorkerLostError(call.rank, slot.address, reason)
 
