@@ -280,9 +280,7 @@ def test_weights_in_the_wrong_wrapper_are_refused_with_what_to_pass_instead(grou
     ):
         DataProtoFuture.concat([trainer.get_weights()])
     # Shards are not batches: concatenating them as DataProto parts says what to do.
-    with pytest.raises(
-        RankError, match="must be DataProto or TensorDict, got dict: pass futures of other values"
-    ):
+    with pytest.raises(RankError, match="must be DataProto or TensorDict, got dict: pass per-rank futures"):
         rollout.load_weights(DataProtoFuture.concat(trainer.get_shard()))
     assert rollout.load_weights(trainer.get_shard()) == [{"shards": 2, "w": W}] * 3
 

@@ -985,7 +985,9 @@ def test_a_late_removal_event_of_a_restarted_worker_spares_groups_on_its_new_pro
     address = next(a for a, w in workers.items() if w["name"] == name)
     with WorkerGroup(hclient, HangWorker, workers=[address]) as wg, daskwg.deadline(60):
         driver = wg._transport.driver
-        driver._on_worker_event(address, (removed_at, {"action": "remove-worker", "stimulus_id": "late"}))
+        driver.health._on_worker_event(
+            address, (removed_at, {"action": "remove-worker", "stimulus_id": "late"})
+        )
         assert not wg.is_broken
         assert len(wg.pid()) == 1
     # (A removal after the process started still breaks its groups: the restart tests below.)

@@ -11,7 +11,14 @@ from roles import SWAPPABLE, ModeWorker
 from tensordict import TensorDict
 
 from daskwg import ClassWithInitArgs, DataProto, DataProtoFuture, WorkerGroup, update_dispatch_mode
-from daskwg.dispatch.modes import collect_all_to_all, collect_rank_zero, dispatch_one_to_all
+from daskwg.dispatch.modes import (
+    RankOutputs,
+    collect_all_to_all,
+    collect_dp_compute_data_proto,
+    collect_rank_zero,
+    dispatch_one_to_all,
+)
+from daskwg.wire import codec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -182,6 +189,21 @@ def test_async_def_method_non_blocking_dp_proto(wg):
     future = wg.async_dp_proto_nb(DataProto.from_dict({"a": torch.arange(8.0)}))
     assert isinstance(future, DataProtoFuture)
     assert future.get().batch["a"].tolist() == [3 * i for i in range(8)]
+
+
+def test_collected_columns_of_a_mib_or_more_go_to_pooled_blocks_and_smaller_ones_to_torch():
+    # Two ranks' outputs of 4 rows, each with a 512 KiB column and a 64 KiB one (float32):
+    # concatenated, the first is 1 MiB (a pooled receive block), the second 128 KiB
+    # (torch's own memory).
+    parts = [
+        DataProto.from_dict({"large": torch.ones(4, 32 * 1024), "small": torch.ones(4, 4 * 1024)})
+        for _ in range(2)
+    ]
+    out = collect_dp_compute_data_proto(None, RankOutputs(parts, method="generate"))
+    assert out.batch["large"].nbytes == 1 << 20
+    assert codec.received(out.batch["large"])
+    assert not codec.received(out.batch["small"])
+    assert out.batch["large"].sum().item() == 2 * 128 * 1024
 
 
 # ---------------------------------------------------------------- meshes (verl's worked examples)

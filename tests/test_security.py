@@ -238,9 +238,9 @@ def _send_as(client: Client, wg: WorkerGroup, method: str) -> dict:
     way :class:`WorkerGroup` sends blocking calls; returns the worker's reply."""
     driver = _Driver.of(client)
     slot = wg._slots[0]
-    (seq,) = driver.take_seqs([slot.server_id])
+    (seq,) = driver.sequencer.take_seqs([slot.server_id])
     call = Call(
-        session=driver.session,
+        session=driver.sequencer.session,
         seq=seq,
         group_id=wg._group_id,
         group_name=wg.name,

@@ -202,8 +202,9 @@ def _concat_releasing(parts: list[Any]) -> Any:
     ``DataProto.concat`` itself, run on stand-ins whose tensors are on the ``meta``
     device (no memory). The columns are written into
     :func:`daskwg.wire.codec.owned_empty`: an RL loop collects batches of the same sizes every
-    step, so large ones land in the warm pages an earlier step's result gave back (a 64 MiB
-    DP round trip on 4 ranks 92 -> 75 ms here). Parts that are not flat TensorDicts of
+    step, so columns of :data:`daskwg.wire.buffers.SMALLEST` (1 MiB) or more land in the warm
+    pages an earlier step's result gave back (a 64 MiB DP round trip on 4 ranks 92 -> 75 ms
+    here); smaller ones are ``torch.empty``'s own. Parts that are not flat TensorDicts of
     plain CPU tensors take the ordinary path.
     """
 
@@ -230,6 +231,9 @@ def _concat_releasing(parts: list[Any]) -> Any:
     ]
     merged = DataProto.concat(shells)
     del shells
+    # Columns of buffers.SMALLEST bytes or more go into pooled blocks (an RL loop drops the
+    # last step's batch of the same sizes, so the copy lands in warm pages); owned_empty
+    # leaves smaller ones to torch's allocator, which keeps small blocks warm itself.
     out = {k: codec.owned_empty(t.shape, t.dtype) for k, t in merged.batch.items()}
     device = parts[0].batch.device
     start = 0

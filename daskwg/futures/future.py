@@ -69,19 +69,20 @@ def _take_chunk(data: Any, *, index: int, chunks: int) -> Any:
 
 
 def rows_of(value: Any) -> int:
-    """Rows of a DataProto or TensorDict (0 for a TensorDict without a batch dimension);
-    ``TypeError`` for anything else (a ``DataProtoFuture`` part that is not a batch)."""
+    """Rows of a DataProto or TensorDict (0 for a TensorDict without a batch dimension).
+
+    Raises:
+        TypeError: ``value`` is neither (a part of a ``DataProtoFuture`` that is not a batch).
+    """
     if isinstance(value, DataProto):
         return len(value)
     if not isinstance(value, TensorDictBase):
-        kind = type(value).__name__
         raise TypeError(
-            f"the parts of a DataProtoFuture must be DataProto or TensorDict, got {kind}: {_NOT_A_BATCH}"
+            f"the parts of a DataProtoFuture must be DataProto or TensorDict, got {type(value).__name__}: "
+            "pass per-rank futures of other values (state dict shards, say) as a list, which each "
+            "rank receives as the list of their values"
         )
     return int(value.batch_size[0]) if value.batch_dims else 0
-
-
-_NOT_A_BATCH = "pass futures of other values (state dict shards) as a list: each rank gets the values"
 
 
 def materialize(
@@ -174,15 +175,23 @@ class DataProtoFuture:
 
     @staticmethod
     def concat(futures: Sequence[Any]) -> DataProtoFuture:
-        """A future of the concatenation of ``futures`` (per-rank Dask futures), as verl's;
-        ``TypeError`` for an item that is not a ``distributed.Future`` (a list of them, say)."""
-        for i, f in enumerate(futures):
-            if not isinstance(f, Future):
-                hint = " (a list of futures: pass that list itself)" if isinstance(f, (list, tuple)) else ""
-                raise TypeError(
-                    f"DataProtoFuture.concat takes per-rank futures, got a {type(f).__name__} at position {i}{hint}"
+        """A future of the concatenation of ``futures`` (per-rank Dask futures), as verl's.
+
+        Raises:
+            TypeError: an item is not a ``distributed.Future`` (a list of them, say: pass
+                that list itself).
+        """
+        futures = list(futures)
+        for i, future in enumerate(futures):
+            if not isinstance(future, Future):
+                hint = (
+                    " (a list of futures: pass that list itself)" if isinstance(future, (list, tuple)) else ""
                 )
-        return DataProtoFuture(futures=list(futures))
+                raise TypeError(
+                    f"DataProtoFuture.concat takes per-rank futures, got a {type(future).__name__} at "
+                    f"position {i}{hint}"
+                )
+        return DataProtoFuture(futures=futures)
 
     # ---- lazy algebra ----------------------------------------------------------------
 

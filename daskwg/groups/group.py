@@ -22,7 +22,8 @@ from .. import foreign
 from ..config import Settings
 from ..deadlines import current_limit, deadline
 from ..errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
-from ..transport import CallFuture, GroupTransport, fresh_error
+from ..transport import CallFuture, GroupTransport
+from ..transport.failure.state import fresh_error
 from ..wire import records
 from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs
@@ -33,7 +34,7 @@ from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
 
-__all__ = ["WorkerGroup", "ClassWithInitArgs", "attach_ranks"]
+__all__ = ["WorkerGroup", "ClassWithInitArgs"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class WorkerGroup(BoundGroup):
                 pool = ResourcePool(client, world_size=world_size, workers=pool.workers)
         else:
             # Workers busy with a call this driver abandoned are passed over while others match.
-            busy = GroupTransport.driver_of(client).busy_call
+            busy = GroupTransport.driver_of(client).sequencer.busy_call
             pool = pick_free(client, world_size, workers, dict(resources) if resources else None, busy)
         group_id = uuid.uuid4().hex
         self._setup(
@@ -328,7 +329,7 @@ class WorkerGroup(BoundGroup):
         old_slots = self._slots
         check_restartable(self._client, old_slots, self._name)
         self._transport.close()
-        self._slots = restart_workers(self._client, old_slots, self._transport.driver.lost, self._name)
+        self._slots = restart_workers(self._client, old_slots, self._transport.driver.health.lost, self._name)
         self._transport = GroupTransport(
             self._client, self._slots, self._name, self._group_id, self._owner, detached=self._detached
         )
@@ -375,6 +376,7 @@ class WorkerGroup(BoundGroup):
 
         Returns:
             a ``WorkerGroup`` on the same ranks (same workers, same objects, same state).
+
         Raises:
             ValueError: no detached group of that name exists.
             GroupBrokenError: one of its workers has left or restarted since.
@@ -383,8 +385,35 @@ class WorkerGroup(BoundGroup):
         if record is None or not record.detached:
             raise ValueError(f"there is no detached group named {name!r} on this cluster")
         self = cls.__new__(cls)
-        attach_ranks(self, client, name, record)
+        self._attach_ranks(client, name, record)
         return self
+
+    def _attach_ranks(self, client: Client, name: str, record: records.GroupRecord) -> None:
+        """Make ``self``, a group object not built yet, the group on the live ranks ``record``
+        describes: :meth:`attach`, and verl's reattaching (``daskwg.verl``), which
+        takes groups not built detached too.
+
+        Raises:
+            GroupBrokenError: one of its workers has left or restarted since.
+        """
+        try:
+            pool = ResourcePool(client, workers=list(record.workers))
+        except ValueError:
+            pool = None
+        if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
+            raise GroupBrokenError(
+                f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
+            )
+        self._setup(
+            client,
+            cloudpickle.loads(record.cls),
+            name,
+            record.group_id,
+            pool.slots,
+            record.owner,
+            detached=record.detached,
+        )
+        self._master_addr, self._master_port = record.master_addr, record.master_port
 
     # ---- building and destroying -------------------------------------------------------
 
@@ -405,7 +434,7 @@ class WorkerGroup(BoundGroup):
         )
 
     def _destroy_ranks(self) -> None:
-        lost = self._transport.driver.lost
+        lost = self._transport.driver.health.lost
         alive = [r for r, s in enumerate(self._slots) if s.server_id not in lost]
         # A rank busy with a call (a broken group's straggler, a call abandoned by a deadline
         # or Ctrl-C) destroys its object when that call returns: not waited for, nor are the
@@ -425,9 +454,12 @@ class WorkerGroup(BoundGroup):
                     [self._slots[r].address for r in sorted(busy)],
                 )
             if later:
-                # Queued behind the busy calls; run even if their futures go (a task is kept).
+                # Queued behind the busy calls; their futures may go: the calls run all the
+                # same (a direct call's result is dropped when it comes; a task is kept).
                 futures = self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
-                fire_and_forget([f for f in futures if not isinstance(f, CallFuture)])
+                tasks = [f for f in futures if not isinstance(f, CallFuture)]
+                if tasks:
+                    fire_and_forget(tasks)
             if alive:
                 with deadline(Settings.current().shutdown_timeout):
                     self._send(
@@ -469,34 +501,6 @@ class WorkerGroup(BoundGroup):
 
     def _gather_any(self, futures: list) -> list:
         return self._transport.gather_any(futures)
-
-
-def attach_ranks(self: WorkerGroup, client: Client, name: str, record: records.GroupRecord) -> None:
-    """Make ``self``, a group object not built yet, the group on the live ranks ``record``
-    describes: :meth:`WorkerGroup.attach`, and verl's reattaching (``daskwg.verl``), which
-    takes groups not built detached too.
-
-    Raises:
-        GroupBrokenError: one of its workers has left or restarted since.
-    """
-    try:
-        pool = ResourcePool(client, workers=list(record.workers))
-    except ValueError:
-        pool = None
-    if pool is None or [s.server_id for s in pool.slots] != list(record.server_ids):
-        raise GroupBrokenError(
-            f"a worker of group {name!r} left or restarted since the group was built; its ranks are gone"
-        )
-    self._setup(
-        client,
-        cloudpickle.loads(record.cls),
-        name,
-        record.group_id,
-        pool.slots,
-        record.owner,
-        detached=record.detached,
-    )
-    self._master_addr, self._master_port = record.master_addr, record.master_port
 
 
 def _verl_env(group: WorkerGroup, local_world_size: int, local_rank: int) -> dict[str, str]:

@@ -277,10 +277,13 @@ class HostPlugin(WorkerPlugin):
         # Sync rank code may call asyncio.get_event_loop() (verl's tool parsers and reward
         # managers do) and expects the same loop on every call. asyncio.run() inside a
         # method unsets the thread's loop when it ends, so it is put back before each call.
-        if self._host_loop is None or self._host_loop.is_closed():
-            self._host_loop = asyncio.new_event_loop()
-        if not _is_current(self._host_loop):
-            asyncio.set_event_loop(self._host_loop)
+        loop = self._host_loop
+        if loop is None or loop.is_closed():
+            loop = self._host_loop = asyncio.new_event_loop()
+        # The policy's record of this thread's loop, read without get_event_loop()'s
+        # side effects; any other policy is simply told again.
+        if getattr(getattr(asyncio.get_event_loop_policy(), "_local", None), "_loop", None) is not loop:
+            asyncio.set_event_loop(loop)
 
     def _execute_counted(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
         t0 = time.perf_counter()
@@ -422,12 +425,6 @@ class HostPlugin(WorkerPlugin):
             del payload, args, kwargs
             return getattr(box, "pack", snapshot)(result, call, ())  # a step plan's hand-off
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
-
-
-def _is_current(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop`` is this thread's event loop in the policy's record (read without
-    ``get_event_loop()``'s side effects; with any other policy: no, so it is set again)."""
-    return getattr(getattr(asyncio.get_event_loop_policy(), "_local", None), "_loop", None) is loop
 
 
 def _bind_worker(worker: Any) -> None:

@@ -8,8 +8,10 @@ strictly in that order.
 
 * ``group_transport``: :class:`GroupTransport`, the facade a group calls; picks each call's
   path and gives it its per-worker sequence numbers.
-* ``driver``: :class:`Driver`, per-client state shared by all groups of one ``Client``
-  (sequence counters, sessions, what the scheduler said of the workers), and ``GroupRanks``.
+* ``driver``: :class:`Driver`, the per-client object shared by all groups of one ``Client``,
+  holding its two parts, and ``GroupRanks``.
+* ``sequencing``: the driver's per-worker sequence numbers, sessions and skips (owned by the
+  calling threads); what the scheduler said of the workers is ``failure.health``.
 * ``channel``: a driver thread's own event loop and connection pool; Ctrl-C held off while a
   call is written.
 * ``streams``: call streams, one connection per worker process and driver loop.
@@ -28,7 +30,7 @@ strictly in that order.
 from .call_future import CallFuture
 from .channel import Channel
 from .driver import Driver, GroupRanks
-from .failure.state import CallWatch, FailureState, fresh_error
+from .failure.state import CallWatch, FailureState
 from .group_transport import GroupTransport
 
 __all__ = [
@@ -39,5 +41,4 @@ __all__ = [
     "CallWatch",
     "FailureState",
     "GroupTransport",
-    "fresh_error",
 ]

@@ -134,7 +134,7 @@ def _check_held(driver: Driver, futures: Sequence[Any]) -> None:
     kept on a worker process this driver knows is lost."""
     for future in futures:
         call = driver.call_of(future)
-        if call is None or call.worker_id not in driver.lost:
+        if call is None or call.worker_id not in driver.health.lost:
             continue
         slots = [
             t.ranks.slots[call.rank] for t in list(driver.transports) if t.ranks.group_id == call.group_id
@@ -144,7 +144,7 @@ def _check_held(driver: Driver, futures: Sequence[Any]) -> None:
             call.rank,
             address,
             f"{call.group_name}.{call.method} (rank {call.rank}) kept its result there, which this call "
-            f"reads ({driver.lost[call.worker_id]}); call {call.method!r} again for a new one",
+            f"reads ({driver.health.lost[call.worker_id]}); call {call.method!r} again for a new one",
         )
 
 

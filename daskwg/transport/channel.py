@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from distributed.core import ConnectionPool
@@ -27,7 +28,7 @@ class Channel:
     arguments (TLS included).
     """
 
-    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
+    def __init__(self, connection_args: dict, epochs: Mapping[str, int] | None = None):
         self.loop = asyncio.new_event_loop()
         self.pool = ConnectionPool(limit=256, connection_args=connection_args)
         self.streams = CallStreams(connection_args, epochs)

@@ -123,9 +123,9 @@ class DirectPath:
         lost = await self._wait(calls, tasks, limit, poll)
         for i in lost:
             # Its answer, if any, would come only after the partition: the call is given
-            # up, and its place skipped should the worker come back (Driver.revoke).
+            # up, and its place skipped should the worker come back (WorkerHealth.revoke).
             tasks[i].cancel()
-            self.ranks.driver.give_up(
+            self.ranks.driver.health.give_up(
                 self.ranks.slots[calls[i].rank].server_id, calls[i].session, calls[i].seq
             )
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
@@ -148,7 +148,9 @@ class DirectPath:
                 for i in pending_index:
                     if not sent[i].done():
                         c = calls[i]
-                        self.ranks.driver.skip(self.ranks.address(c.rank), c.worker_id, c.session, [c.seq])
+                        self.ranks.driver.sequencer.skip(
+                            self.ranks.address(c.rank), c.worker_id, c.session, [c.seq]
+                        )
         # A private loop only runs while its thread is in a call, so its tasks cannot
         # tell when these ranks finish: ask their workers instead.
         pending = [
@@ -208,7 +210,7 @@ class DirectPath:
         Never raises: a reply read on a stream must not fail the stream's other calls."""
         # A reply means the call has ended there (and, calls ending in order, every
         # earlier one of this driver): no later call waits behind those any more.
-        self.ranks.driver.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        self.ranks.driver.sequencer.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
         _, _, status, _, error, header, _ = reply
         try:
             if status == "OK":

@@ -80,7 +80,7 @@ class GroupTransport:
             self, self.ranks.slots, settings.heartbeat_interval, settings.heartbeat_timeout
         )
         driver.transports.add(self)
-        driver.watch(self.ranks.slots)
+        driver.health.watch(self.ranks.slots)
 
     @property
     def driver(self) -> Driver:
@@ -122,7 +122,7 @@ class GroupTransport:
     def busy_call(self, slot: Any) -> Any:
         """The call ``slot``'s worker is still busy with (a broken group's straggler or an
         abandoned call: ``.describe(now)``), or ``None``."""
-        return self.driver.busy_call(slot)
+        return self.driver.sequencer.busy_call(slot)
 
     def check(self, method_name: str, ranks: list[int], limit: Any = None) -> None:
         """Refuse at once a call that would fail, or wait without a word: a lost worker,
@@ -135,9 +135,9 @@ class GroupTransport:
         slots = [self.ranks.slots[r] for r in ranks]
         self.failures.check_scheduler()
         self.failures.raise_if_lost(ranks)
-        self.driver.check_not_stuck(slots, f"{self.ranks.name}.{method_name}")
+        self.driver.sequencer.check_not_stuck(slots, f"{self.ranks.name}.{method_name}")
         if method_name == "__init__" and limit is None:
-            self.driver.check_not_behind_abandoned(slots, f"group {self.ranks.name!r}")
+            self.driver.sequencer.check_not_behind_abandoned(slots, f"group {self.ranks.name!r}")
 
     async def reserve_port(self, port: int | None) -> int:
         """Reserve ``MASTER_PORT`` on rank 0's host (``port``, or a free one).
@@ -209,10 +209,10 @@ class GroupTransport:
             # A lost worker fails at once (no connection attempt, no task that never
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
             self.check(method_name, ranks, limit)
-            driver.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
+            driver.sequencer.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
         if check and not blocking:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
-        session, seqs = driver.numbered([s.server_id for s in slots])
+        session, seqs = driver.sequencer.numbered([s.server_id for s in slots])
         calls = [
             Call(
                 session=session,
@@ -339,7 +339,7 @@ class GroupTransport:
         alive = [r for r in range(len(ranks.slots)) if not ranks.is_lost(r)]
         if not alive:
             return
-        session, seqs = driver.numbered([ranks.slots[r].server_id for r in alive])
+        session, seqs = driver.sequencer.numbered([ranks.slots[r].server_id for r in alive])
         calls = [
             Call(
                 session,

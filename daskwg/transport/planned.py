@@ -92,7 +92,7 @@ class PlanPath:
         """
         driver = self.driver
         slots = [e.transport.ranks.slots[e.rank] for e in entries]
-        session, seqs = driver.numbered([s.server_id for s in slots])
+        session, seqs = driver.sequencer.numbered([s.server_id for s in slots])
         calls = [
             Call(
                 session,
@@ -243,7 +243,7 @@ class PlanPath:
             asyncio.ensure_future(self._lost(batch, reply))
             return
         replay, owned = batch.replay, self.driver.owned
-        self.driver.note_finished(batch.server_id, replay.calls[batch.indices[-1]].seq)
+        self.driver.sequencer.note_finished(batch.server_id, replay.calls[batch.indices[-1]].seq)
         records = pickle.loads(reply[5])
         start, failed = 0, []
         for i, (status, nbytes, error, header, count) in zip(batch.indices, records):

@@ -21,7 +21,7 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import dask.config
@@ -197,7 +197,7 @@ class CallStreams:
             connection may have died silently (a partition), however long TCP takes to say so.
     """
 
-    def __init__(self, connection_args: dict, epochs: dict[str, int] | None = None):
+    def __init__(self, connection_args: dict, epochs: Mapping[str, int] | None = None):
         self.connection_args = connection_args
         self.epochs = {} if epochs is None else epochs
         #: ``lead((address, server_id))``: a message without reply to write just before

@@ -101,7 +101,7 @@ class TaskPath:
         except BaseException:
             # Calls that were never submitted must not hold up later ones on their workers.
             for call in calls[len(futures) :]:
-                driver.skip(ranks.address(call.rank), call.worker_id, call.session, [call.seq])
+                driver.sequencer.skip(ranks.address(call.rank), call.worker_id, call.session, [call.seq])
             raise
         if self.keep_running:
             # Else a driver that exits (its client releasing every key) would drop the calls
@@ -178,7 +178,7 @@ class TaskPath:
         status = future.status
         if status == "finished":
             if server_id is not None:
-                self.ranks.driver.note_finished(server_id, seq)
+                self.ranks.driver.sequencer.note_finished(server_id, seq)
             return
         loop = self.ranks.client.loop
         if status == "cancelled":
@@ -189,7 +189,7 @@ class TaskPath:
         # Also after a RankError: it may be the error of a call this one depended on (a
         # DataProtoFuture's producer), in which case this call never reached its rank.
         # Skipping a call that ran is a no-op on the worker.
-        self.ranks.driver.skip(address, server_id, session, [seq])
+        self.ranks.driver.sequencer.skip(address, server_id, session, [seq])
 
     async def _send(self, handler: str, address: str, session: str, seqs: list[int]) -> None:
         try:

@@ -16,7 +16,7 @@ from ..futures.future import DataProtoFuture
 from ..groups.binding import split_or_broadcast
 from ..groups.colocate import ColocatedWorker
 from ..groups.colocate import create_colocated_worker_cls as _create_colocated
-from ..groups.group import WorkerGroup, attach_ranks
+from ..groups.group import WorkerGroup
 from ..wire import records
 from ..worker import ClassWithInitArgs
 from .pools import RayResourcePool, random_prefix
@@ -207,7 +207,7 @@ class RayWorkerGroup(WorkerGroup):
             raise ValueError(
                 f"there is no live group named {name!r} on this cluster (from worker_names {list(worker_names)})"
             )
-        attach_ranks(self, client, name, record)
+        self._attach_ranks(client, name, record)
 
     # ---- verl's attributes -------------------------------------------------------------
 

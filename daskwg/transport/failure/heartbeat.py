@@ -8,9 +8,10 @@ probe it (TCP keepalive every ``daskwg.heartbeat-interval`` seconds, given up
 ``daskwg.heartbeat-timeout`` seconds after the worker's host last acknowledged anything).
 Only the worker host's kernel answers those probes, never its event loop, so a worker
 that is merely busy (a long call, a blocked event loop) is never taken for a lost one. A
-broken heartbeat marks the worker lost to this driver (:meth:`Driver.unreachable
-<daskwg.transport.driver.Driver.unreachable>`); a worker found answering again when a new
-group uses it is forgiven (:meth:`Driver.revoke <daskwg.transport.driver.Driver.revoke>`).
+broken heartbeat marks the worker lost to this driver
+(:meth:`~daskwg.transport.failure.health.WorkerHealth.unreachable`); a worker found
+answering again when a new group uses it is forgiven
+(:meth:`~daskwg.transport.failure.health.WorkerHealth.revoke`).
 
 Everything here runs on the client's event loop except :meth:`Heartbeats.follow` and
 :meth:`Heartbeats.unfollow`, which the group's thread calls.
@@ -96,13 +97,13 @@ class Heartbeats:
             return
         unique = list({s.server_id: s for s in slots}.values())
         for slot in unique:
-            if driver.is_suspect(slot.server_id):
+            if driver.health.is_suspect(slot.server_id):
                 driver.client.sync(self._recheck, slot, interval, timeout)
         start = []
         with self._lock:
             for slot in unique:
                 self._users[slot.server_id].add(transport)
-                if slot.server_id not in self._beating and slot.server_id not in driver.lost:
+                if slot.server_id not in self._beating and slot.server_id not in driver.health.lost:
                     self._beating.add(slot.server_id)
                     start.append(slot)
         for slot in start:
@@ -118,7 +119,7 @@ class Heartbeats:
         if self.driver.client.status not in ("running", "connecting"):
             return False
         with self._lock:
-            return bool(self._users.get(server_id)) and server_id not in self.driver.lost
+            return bool(self._users.get(server_id)) and server_id not in self.driver.health.lost
 
     async def _beat(self, slot: Any, interval: float, timeout: float, comm: Any = None) -> None:
         """The heartbeat of one worker process, until it is no longer needed or breaks."""
@@ -133,7 +134,7 @@ class Heartbeats:
                         # Its kernel accepts connections: the process is busy, not cut off.
                         await asyncio.sleep(interval)
                         continue
-                    driver.unreachable(
+                    driver.health.unreachable(
                         slot.address,
                         server_id,
                         f"unreachable from the driver: no connection within {timeout:g} s "
@@ -149,7 +150,7 @@ class Heartbeats:
                 return
             reason = unreachable_error(reader.exception(), timeout)
             if reason is not None:
-                driver.unreachable(slot.address, server_id, reason)
+                driver.health.unreachable(slot.address, server_id, reason)
             # Otherwise the worker closed the connection (it is closing): the scheduler's
             # remove-worker event says so, as for any worker that leaves.
         finally:
@@ -189,7 +190,7 @@ class Heartbeats:
                 comm.abort()  # a new process there: the old one's mark stays
                 return
             by_session: dict[str, list[int]] = defaultdict(list)
-            for session, seq in driver.given_up.get(server_id, ()):
+            for session, seq in driver.health.given_up_calls(server_id):
                 by_session[session].append(seq)
             for session, seqs in by_session.items():
                 # Calls that never arrived would hold every later call of their session.
@@ -203,7 +204,7 @@ class Heartbeats:
         except BaseException:
             comm.abort()
             raise
-        driver.revoke(server_id)
+        driver.health.revoke(server_id)
         logger.info("the worker %s answers the driver again: its lost mark is cleared", slot.address)
         with self._lock:
             if server_id in self._beating:

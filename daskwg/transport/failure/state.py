@@ -56,7 +56,9 @@ class CallWatch:
     ):
         self.seq = seq
         self._event = threading.Event()
-        driver.client.loop.add_callback(self._poll, driver, address, seq, interval, session or driver.session)
+        driver.client.loop.add_callback(
+            self._poll, driver, address, seq, interval, session or driver.sequencer.session
+        )
 
     def done(self) -> bool:
         """Whether the call has ended (or its worker is gone)."""
@@ -160,23 +162,27 @@ class FailureState:
 
     def mark_stuck(self, method: str, pending: list, seqs: dict | None = None) -> list:
         """Record ``(rank, watch)`` pairs still running a failed call on the driver, so
-        that nothing is queued behind them (:meth:`Driver.check_not_stuck`). Returns them."""
+        that nothing is queued behind them
+        (:meth:`~daskwg.transport.sequencing.Sequencer.check_not_stuck`). Returns them."""
         stuck = [(rank, w) for rank, w in pending if not w.done()]
         now = time.monotonic()
         for rank, w in stuck:
-            self.driver.stuck[self.ranks.slots[rank].server_id] = StuckCall(
-                self.ranks.name, method, w, now, self._seq_of(rank, w, seqs)
+            self.driver.sequencer.record_stuck(
+                self.ranks.slots[rank].server_id,
+                StuckCall(self.ranks.name, method, w, now, self._seq_of(rank, w, seqs)),
             )
         return stuck
 
     def abandon(self, method: str, pending: list, why: str, seqs: dict | None = None) -> None:
         """Record ``(rank, watch)`` pairs of a call the driver stopped waiting for
         (``why``: "deadline", "interrupted"), so later calls behind it say what they wait
-        for (:meth:`Driver.warn_if_abandoned`) and shutdown does not wait on them."""
+        for (:meth:`~daskwg.transport.sequencing.Sequencer.warn_if_abandoned`) and shutdown does
+        not wait on them."""
         now = time.monotonic()
         for rank, watch in pending:
-            self.driver.abandoned[self.ranks.slots[rank].server_id] = AbandonedCall(
-                self.ranks.name, method, watch, now, why, self._seq_of(rank, watch, seqs)
+            self.driver.sequencer.record_abandoned(
+                self.ranks.slots[rank].server_id,
+                AbandonedCall(self.ranks.name, method, watch, now, why, self._seq_of(rank, watch, seqs)),
             )
 
     def _seq_of(self, rank: int, watch: Any, seqs: dict | None) -> int:
@@ -206,13 +212,11 @@ class FailureState:
 
     def is_abandoned(self, slot: Any) -> bool:
         """Whether ``slot``'s worker still runs a call the driver abandoned."""
-        entry = self.driver.abandoned.get(slot.server_id)
-        return entry is not None and not entry.watch.done()
+        return self.driver.sequencer.is_abandoned(slot.server_id)
 
     def is_stuck(self, slot: Any) -> bool:
         """Whether ``slot``'s worker is still stuck in a broken group's call."""
-        entry = self.driver.stuck.get(slot.server_id)
-        return entry is not None and not entry.watch.done()
+        return self.driver.sequencer.is_stuck(slot.server_id)
 
     def check_scheduler(self) -> None:
         """Mark the group broken once its client lost the scheduler.
@@ -249,7 +253,7 @@ class FailureState:
     def worker_lost(self, address: str, reason: str) -> None:
         """The scheduler (or a dropped connection) says the worker at ``address`` is gone."""
         for rank, slot in enumerate(self.ranks.slots):
-            if slot.address == address and slot.server_id in self.driver.lost and self.broken is None:
+            if slot.address == address and slot.server_id in self.driver.health.lost and self.broken is None:
                 self.broken = WorkerLostError(rank, address, reason)
 
     def raise_if_lost(self, ranks: Sequence[int]) -> None:
@@ -263,17 +267,19 @@ class FailureState:
     def lost(self, rank: int) -> WorkerGroupError:
         """The group's error now that ``rank``'s worker is known to be gone (set once)."""
         slot = self.ranks.slots[rank]
-        self.broken = self.broken or WorkerLostError(rank, slot.address, self.driver.lost[slot.server_id])
+        self.broken = self.broken or WorkerLostError(
+            rank, slot.address, self.driver.health.lost[slot.server_id]
+        )
         return fresh_error(self.broken)
 
     async def connection_lost(self, rank: int, exc: BaseException) -> WorkerGroupError:
         """The error of a call whose connection to ``rank``'s worker dropped: the worker is
         taken as lost, with the scheduler's or nanny's reason when it comes within a moment."""
         slot = self.ranks.slots[rank]
-        reason = self.driver.lost.get(slot.server_id) or await self._lost_reason(
+        reason = self.driver.health.lost.get(slot.server_id) or await self._lost_reason(
             slot.address, slot.server_id, f"connection lost: {exc}"
         )
-        reason = self.driver.lost.setdefault(slot.server_id, reason)
+        reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
         return fresh_error(self.broken) if self.broken else WorkerLostError(rank, slot.address, str(exc))
 
@@ -282,7 +288,7 @@ class FailureState:
         # (e.g. a restart for memory): give those a moment, on whichever loop runs this.
         deadline = time.monotonic() + _LOST_REASON_WAIT
         while True:
-            reason = self.driver.lost_reason(address, server_id)
+            reason = self.driver.health.lost_reason(address, server_id)
             if reason or time.monotonic() >= deadline:
                 return reason or fallback
             await asyncio.sleep(0.05)
@@ -301,7 +307,7 @@ class FailureState:
             slot.server_id,
             f"the worker closed while running {call.method!r} ({type(exc).__name__})",
         )
-        reason = self.driver.lost.setdefault(slot.server_id, reason)
+        reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
         return fresh_error(self.broken) if self.broken else WorkerLostError(call.rank, slot.address, reason)
 

@@ -257,7 +257,15 @@ class Waiter:
         for future in futures:
             call = ranks.driver.call_of(future)
             if call is None or call.group_id != ranks.group_id:
-                call = Call(ranks.driver.session, -1, ranks.group_id, ranks.name, 0, method_name, ranks.owner)
+                call = Call(
+                    ranks.driver.sequencer.session,
+                    -1,
+                    ranks.group_id,
+                    ranks.name,
+                    0,
+                    method_name,
+                    ranks.owner,
+                )
             calls.append(call)
         return calls
 
@@ -299,12 +307,12 @@ class Waiter:
     def _warn_if_paused(
         self, ranks: Sequence[int | None], method_name: str, warned: set[str], after: float
     ) -> None:
-        paused = self.ranks.driver.paused
+        health = self.ranks.driver.health
         for rank in ranks:
             if rank is None:
                 continue
             address = self.ranks.address(rank)
-            since = paused.get(address)
+            since = health.paused_since(address)
             if since is None or address in warned or time.monotonic() - since < after:
                 continue
             warned.add(address)
@@ -336,13 +344,13 @@ class Waiter:
                     return exc
             if rank is not None and self.ranks.is_lost(rank):
                 return self.failures.lost(rank)
-            paused = self.ranks.driver.paused_out.pop(future.key, None)
+            paused = self.ranks.driver.health.take_paused_error(future.key)
             if paused is not None:
                 return paused
             return GroupBrokenError(f"the call of {method_name!r} on rank {rank} was cancelled")
         exc = future.exception()
         if isinstance(exc, WorkerGroupError):
-            self.ranks.driver.paused_out.pop(future.key, None)
+            self.ranks.driver.health.take_paused_error(future.key)
             # A copy: raising the object the future's state stores would hang this wait's
             # frames (and the futures they hold) on its traceback, keeping every future
             # of the call alive for as long as the client holds that state
