@@ -3,8 +3,10 @@ in worker processes)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 
 import numpy as np
 import torch
@@ -112,6 +114,17 @@ class Producer(Worker):
         )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def make_gated(self, seed: DataProto) -> DataProto:
+        """As :meth:`make`, once the file ``seed.meta_info["gate"]`` exists (a producer that is
+        still running while the driver hands its future on)."""
+        gate = seed.meta_info["gate"]
+        for _ in range(6000):
+            if os.path.exists(gate):
+                break
+            time.sleep(0.05)
+        return DataProto.from_dict({"id": seed.batch["id"].clone()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def make_or_fail(self, seed: DataProto) -> DataProto:
         if self.rank == 0:
             raise ValueError("rank 0 cannot make its rows")
@@ -155,6 +168,11 @@ class Consumer(Worker):
     def pair(self, data: DataProto, other: DataProto) -> list:
         """Row by row: this rank's ``id`` of ``data`` beside its ``j`` of ``other``."""
         return list(zip(data.batch["id"].tolist(), other.batch["j"].tolist()))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def zip_async(self, data: DataProto, other: DataProto) -> DataProto:
+        """This rank's ``id`` of ``data`` beside its ``j`` of ``other``, as one batch."""
+        return DataProto.from_dict({"id": data.batch["id"].clone(), "j": other.batch["j"].clone()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def scribble(self, data: DataProto) -> list:

@@ -34,7 +34,7 @@ from plane_workers import (
     tcp_bytes_sent,
 )
 
-from daskwg import DataProto, DataProtoFuture, RankError, ResourcePool, WorkerGroup
+from daskwg import DataProto, DataProtoFuture, DispatchError, RankError, ResourcePool, WorkerGroup
 from daskwg.serialization import pickling as serialization
 
 MiB = 1 << 20
@@ -278,22 +278,151 @@ def test_a_large_call_and_its_reply_cross_through_shared_memory_files_on_one_hos
         consumers.shutdown()
 
 
+def _j(n: int) -> DataProto:
+    return DataProto.from_dict({"j": torch.arange(n) * 10})
+
+
+# Found by trying it: 6 rows of a future and 4 of another in one call on 2 ranks were cut
+# on their own and paired by position (3 + 2 rows per rank, no error); 7 rows of a future
+# beside 8 of a DataProto were both padded to 9 and paired. Two DataProtos of 6 and 4 rows
+# raise DispatchError in the driver, as verl asserts: so do futures, once their producers replied.
+_UNEQUAL = {
+    "future-future": (
+        lambda f6, f4: ((f6, f4.rename("id", "j")), {}),
+        "positional argument 1 \\(a DataProtoFuture\\): 4 rows",
+    ),
+    "future-batch": (lambda f6, f4: ((f6, _j(4)), {}), "positional argument 1: 4 rows"),
+    "batch-future-keywords": (
+        lambda f6, f4: ((), {"data": seed(4, 4), "other": f6.rename("id", "j")}),
+        "argument 'other' \\(a DataProtoFuture\\): 6 rows",
+    ),
+    "future-longer-batch": (lambda f6, f4: ((f4, _j(6)), {}), "positional argument 1: 6 rows"),
+}
+
+
 @pytest.mark.timeout(300)
-def test_a_future_and_a_driver_batch_of_other_lengths_in_one_call_fail_on_the_ranks(plane):
-    # Found by trying it: 7 rows of a future beside 8 rows of a DataProto on 3 ranks were both
-    # padded to 9 and paired silently (the future's padding row against the batch's row 7),
-    # where two DataProtos of 7 and 8 rows raise DispatchError in the driver.
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", list(_UNEQUAL))
+def test_batches_of_different_lengths_are_refused_in_the_driver_once_their_producers_replied(
+    plane, case, n, blocking
+):
     client, pool = plane
-    producers, consumers = groups(client, pool, [2, 3], Producer, Consumer)
+    producers, consumers = groups(client, pool, [2, n], Producer, Consumer)
     try:
-        future = producers.make(seed(7, 4))
-        with pytest.raises(RankError, match="has 7 rows, but the DataProto/TensorDict arguments beside it"):
-            consumers.pair(future, DataProto.from_dict({"j": torch.arange(8) * 10}))
-        pairs = consumers.pair(future, DataProto.from_dict({"j": torch.arange(7) * 10}))
-        assert [p for rank in pairs for p in rank] == [(i, i * 10) for i in [*range(7), 0, 1]]  # padded alike
+        f6, f4 = producers.make(seed(6, 4)), producers.make(seed(4, 4))
+        wait([*f6.futures, *f4.futures])
+        args, kwargs = _UNEQUAL[case][0](f6, f4)
+        call = consumers.pair if blocking else consumers.zip_async
+        with pytest.raises(DispatchError, match=_UNEQUAL[case][1]):
+            call(*args, **kwargs)
+        pairs = consumers.pair(f6, f6.rename("id", "j"))  # equal lengths still pair row by row
+        assert [p for rank in pairs for p in rank] == [(i, i) for i in range(6)]
     finally:
         producers.shutdown()
         consumers.shutdown()
+
+
+def _gated(n: int, gate) -> DataProto:
+    return DataProto.from_dict({"id": torch.arange(n)}, meta_info={"gate": str(gate)})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("beside", ["future", "batch", "finished-future"])
+def test_batches_of_different_lengths_are_refused_by_the_ranks_while_a_producer_runs(
+    plane, tmp_path, beside, n
+):
+    # The driver does not know the running producer's rows: each consuming rank compares the
+    # arguments' lengths from the parts' PartInfo before it fetches a row, and the error names
+    # the arguments and their rows, not the producer (which did nothing wrong).
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, n], Producer, Consumer)
+    try:
+        other = {"batch": lambda: _j(4), "future": lambda: producers.make_gated(_gated(4, tmp_path / "gate"))}
+        if beside == "finished-future":
+            done = producers.make(seed(4, 4))
+            wait(list(done.futures))
+            other["finished-future"] = lambda: done
+        running = producers.make_gated(_gated(6, tmp_path / "gate"))
+        beside_it = other[beside]()
+        if isinstance(beside_it, DataProtoFuture):
+            beside_it = beside_it.rename("id", "j")
+        out = consumers.zip_async(running, other=beside_it)
+        (tmp_path / "gate").touch()
+        with pytest.raises(RankError) as caught:
+            out.get()
+        assert isinstance(caught.value.exception, DispatchError)
+        assert "positional argument 0 (a DataProtoFuture): 6 rows" in caught.value.message
+        assert "argument 'other'" in caught.value.message and "4 rows" in caught.value.message
+        assert caught.value.method == "zip_async" and "make_gated" not in str(caught.value).split("---")[0]
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_futures_of_one_length_from_running_producers_pair_row_by_row(plane, tmp_path):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 3], Producer, Consumer)
+    try:
+        a = producers.make_gated(_gated(5, tmp_path / "gate"))
+        b = producers.make_gated(_gated(5, tmp_path / "gate")).rename("id", "j")
+        out = consumers.zip_async(a, b)
+        (tmp_path / "gate").touch()
+        got = out.get()
+        assert got.batch["id"].tolist() == got.batch["j"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+# Found by trying it: ``for mb in fut.chunk(k): wg.update(mb)`` on an 8-row future in 2 parts
+# worked for k=2 only; k=3, 4 raised "this DataProtoFuture is already a piece of a chunk()".
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n", [2, 3])
+def test_micro_batches_of_a_future_feed_a_group_as_the_same_rows_in_the_driver_do(plane, n):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, n], Producer, Consumer)
+    try:
+        future = producers.make(seed(8, 4))
+        whole = future.get()
+        for k in (2, 3, 4, 5, 8):
+            for mb, rows in zip(future.chunk(k), whole.chunk(k)):
+                assert [o["ids"] for o in consumers.summary(mb)] == [
+                    o["ids"] for o in consumers.summary(rows)
+                ]
+                assert consumers.ids(mb).batch["id"].tolist() == rows.batch["id"].tolist()
+                assert consumers.ids_async(mb).get().batch["id"].tolist() == rows.batch["id"].tolist()
+        inner = future.chunk(2)[1].chunk(3)[0]  # a micro-batch of a micro-batch: rows 4 and 5 of 0..7
+        assert consumers.ids(inner).batch["id"].tolist() == [4, 5]
+        pairs = consumers.pair(future.chunk(4)[1], _j(2))
+        assert [p for rank in pairs for p in rank][:2] == [(2, 0), (3, 10)]
+        with pytest.raises(DispatchError, match="positional argument 1: 3 rows"):
+            consumers.pair(future.chunk(4)[1], _j(3))
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_future_is_cut_into_no_more_pieces_than_rows_as_a_data_proto_is(plane, tmp_path):
+    client, pool = plane
+    (producers,) = groups(client, pool, [2], Producer)
+    try:
+        future = producers.make(seed(8, 4))
+        wait(list(future.futures))
+        with pytest.raises(ValueError, match="cannot split 8 rows into 9 non-empty chunks"):
+            future.chunk(9)  # its rows are known: refused at once
+        running = producers.make_gated(_gated(8, tmp_path / "gate"))
+        pieces = running.chunk(9)  # not known yet: refused where the piece is materialised
+        (tmp_path / "gate").touch()
+        with pytest.raises(ValueError, match="cannot split 8 rows into 9"):
+            pieces[0].get()
+        with pytest.raises(TypeError, match="chunks must be an int"):
+            future.chunk(2.0)
+    finally:
+        producers.shutdown()
 
 
 @pytest.mark.timeout(600)

@@ -3,6 +3,8 @@ mesh examples need 8 ranks)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from conftest import process_cluster
@@ -10,12 +12,23 @@ from distributed import Client, Future
 from roles import SWAPPABLE, ModeWorker
 from tensordict import TensorDict
 
-from daskwg import ClassWithInitArgs, DataProto, DataProtoFuture, WorkerGroup, update_dispatch_mode
+from daskwg import (
+    ClassWithInitArgs,
+    DataProto,
+    DataProtoFuture,
+    DispatchError,
+    WorkerGroup,
+    update_dispatch_mode,
+)
 from daskwg.dispatch.modes import (
     RankOutputs,
     collect_all_to_all,
     collect_dp_compute_data_proto,
     collect_rank_zero,
+    dispatch_dp_compute_data_proto,
+    dispatch_dp_compute_data_proto_with_func,
+    dispatch_dp_compute_metric,
+    dispatch_nd_compute_dataproto,
     dispatch_one_to_all,
 )
 from daskwg.wire import codec
@@ -250,3 +263,69 @@ def test_a_method_that_changes_a_future_argument_in_place_leaves_the_future_unch
     first = wg.dp_proto_nb(_rows(8))
     wg.dp_proto_nb(first).get()  # adds the rank in place to the piece it received
     assert first.get().batch["a"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+# ------------------------------------------------- batches of different lengths (driver only)
+
+
+class _Part:
+    """A stand-in for a finished part of a ``DataProtoFuture``: the driver knows its rows."""
+
+    def __init__(self, rows: int | None):
+        self.rows = rows
+
+    def batch_rows(self) -> int | None:
+        return self.rows
+
+
+def _future(*rows: int | None) -> DataProtoFuture:
+    return DataProtoFuture(futures=[_Part(r) for r in rows])
+
+
+def _group(world_size: int = 2):
+    return types.SimpleNamespace(
+        world_size=world_size, _dispatch_info={"m": [r % 2 for r in range(world_size)]}, _collect_info={}
+    )
+
+
+_MODES = {
+    "DP_COMPUTE_PROTO": lambda g, *a, **k: dispatch_dp_compute_data_proto(g, *a, **k),
+    "DP_COMPUTE_METRIC": lambda g, *a, **k: dispatch_dp_compute_metric(g, *a, **k),
+    "DP_COMPUTE_PROTO_WITH_FUNC": lambda g, *a, **k: dispatch_dp_compute_data_proto_with_func(
+        g, len, *a, **k
+    ),
+    "mesh": lambda g, *a, **k: dispatch_nd_compute_dataproto("m", g, *a, **k),
+}
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+@pytest.mark.parametrize(
+    ("args", "kwargs", "named"),
+    [
+        ((_future(3, 3), _future(2, 2)), {}, "argument \\d \\(a DataProtoFuture\\): 4 rows"),
+        ((_future(3, 3),), {"other": _rows(4)}, "argument 'other': 4 rows"),
+        ((_rows(4),), {"other": _future(3, 3)}, "argument 'other' \\(a DataProtoFuture\\): 6 rows"),
+        ((_future(3, 3).chunk(2)[0], _rows(4)), {}, "\\(a DataProtoFuture\\): 3 rows"),
+        ((_future(4, 4).repeat(2), _future(8)), {}, "16 rows"),
+    ],
+    ids=["future-future", "future-keyword-batch", "batch-keyword-future", "piece-batch", "repeated-future"],
+)
+def test_batches_whose_lengths_the_driver_knows_are_refused_in_every_mode_and_position(
+    mode, args, kwargs, named
+):
+    with pytest.raises(DispatchError, match=named):
+        _MODES[mode](_group(), *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+def test_a_future_whose_length_is_not_known_is_checked_by_the_ranks_beside_other_batches(mode):
+    split_args, _ = _MODES[mode](_group(), _future(3, None), _rows(4))
+    pieces = split_args[-2]  # the future's pieces (WITH_FUNC's first argument is the function)
+    label, known = pieces[0].rows[-1][4]
+    assert label == f"positional argument {len(split_args) - 2} (a DataProtoFuture)"
+    assert known == ((f"positional argument {len(split_args) - 1}", 4),)
+
+
+def test_a_lone_future_of_one_part_per_rank_is_handed_over_part_by_part_unchecked():
+    (pieces,), _ = dispatch_dp_compute_data_proto(_group(), _future(3, None))
+    assert [p.rows for p in pieces] == [None, None]

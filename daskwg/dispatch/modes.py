@@ -39,6 +39,7 @@ from tensordict import TensorDict, TensorDictBase
 from .. import foreign
 from ..errors import ConcatError, DispatchError
 from ..futures.future import DataProtoFuture
+from ..futures.pieces import check_lengths
 from ..protocol import DataProto, concat_tensordicts, pad_rows
 from ..wire import codec
 
@@ -137,6 +138,73 @@ def _num_rows(value: Any) -> int | None:
     return None
 
 
+class _Lengths:
+    """The lengths of one call's batch arguments, as far as the driver knows them.
+
+    A DataProto's or TensorDict's rows are known; a ``DataProtoFuture``'s once its producing
+    calls replied (:meth:`DataProtoFuture.known_rows`). Known lengths that differ are refused
+    here (:func:`daskwg.futures.pieces.check_lengths`); where a future's is not known yet and
+    the call has other batch arguments, its pieces carry a ``check`` and every consuming rank
+    compares the lengths before it fetches a row, naming the arguments (not the producer).
+
+    Attributes:
+        known: ``((label, rows), ...)`` of the arguments whose rows are known.
+        batch: rows of the DataProto/TensorDict arguments (``None``: there are none).
+        unknown: whether some future's rows are not known.
+    """
+
+    def __init__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) -> None:
+        entries = [(label, value) for label, value in _labelled(args, kwargs, start)]
+        self.count = len(entries)
+        known, batch, self.unknown = [], None, False
+        for label, value in entries:
+            rows = _num_rows(value)
+            if rows is not None:
+                batch = rows if batch is None else batch
+            elif isinstance(value, DataProtoFuture):
+                rows = value.known_rows()
+                label = f"{label} (a DataProtoFuture)"
+            if rows is None:
+                self.unknown = True
+            else:
+                known.append((label, rows))
+        self.known = tuple(known)
+        self.batch = batch
+        try:
+            check_lengths(list(self.known))
+        except DispatchError as exc:
+            self.error = exc
+        else:
+            self.error = None
+
+    def refuse(self, mode: str) -> None:
+        """Raise the :class:`DispatchError` of known lengths that differ, naming ``mode``."""
+        if self.error is not None:
+            raise DispatchError(f"{mode}: {self.error}") from None
+
+    @property
+    def length(self) -> int | None:
+        """The rows every batch argument must have, where one is known."""
+        return self.known[0][1] if self.known else None
+
+    def check(self, label: str) -> tuple | None:
+        """The ``check`` for the pieces of the future argument ``label`` (``None``: the driver
+        knows every length, or it is the call's only batch argument)."""
+        if self.count < 2 or not self.unknown:
+            return None
+        return (f"{label} (a DataProtoFuture)", self.known)
+
+
+def _even_parts(value: DataProtoFuture, chunks: int) -> bool:
+    """Whether ``value``'s parts, handed over one per rank, are the pieces ``chunk(chunks)``
+    cuts: the driver knows they all hold the same rows (another batch argument beside it is
+    then paired row by row)."""
+    if len(value.futures) != chunks or value.pad_size:
+        return False
+    rows = [getattr(f, "batch_rows", lambda: None)() for f in value.futures]
+    return None not in rows and len(set(rows)) == 1
+
+
 def _split_tensordict(td: Any, chunks: int) -> list[Any]:
     """``chunks`` pieces along dim 0, sizes differing by at most one, each with its own storage.
 
@@ -149,29 +217,31 @@ def _split_tensordict(td: Any, chunks: int) -> list[Any]:
     return [piece.clone() for piece in td.split(sizes, dim=0)]
 
 
-def _split_batch(label: str, value: Any, chunks: int) -> list[Any]:
-    """Split one DataProto / TensorDict / DataProtoFuture into exactly ``chunks`` pieces."""
+def _split_batch(label: str, value: Any, chunks: int, lengths: _Lengths | None = None) -> list[Any]:
+    """Split one DataProto / TensorDict / DataProtoFuture into exactly ``chunks`` pieces
+    (a future's checked by the ranks against ``lengths`` where the driver does not know its rows)."""
     rows = _num_rows(value)
     if rows is not None and rows < chunks:
         raise DispatchError(f"{label} has {rows} rows, fewer than the {chunks} pieces it must be split into")
     try:
-        pieces = _split_tensordict(value, chunks) if isinstance(value, TensorDict) else value.chunk(chunks)
-    except ValueError as exc:
+        if isinstance(value, TensorDict):
+            pieces = _split_tensordict(value, chunks)
+        elif isinstance(value, DataProtoFuture) and lengths is not None and lengths.count > 1:
+            pieces = value.padded_chunk(
+                chunks,
+                None,
+                keep_parts=_even_parts(value, chunks),
+                length=lengths.length,
+                check=lengths.check(label),
+            )
+        else:
+            pieces = value.chunk(chunks)
+    except (TypeError, ValueError) as exc:
         raise DispatchError(f"cannot split {label} into {chunks} pieces: {exc}") from exc
     pieces = list(pieces)
     if len(pieces) != chunks:
         raise DispatchError(f"{label} was split into {len(pieces)} pieces instead of {chunks}")
     return pieces
-
-
-def _common_length(mode: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
-    lengths = {label: n for label, value in _labelled(args, kwargs) if (n := _num_rows(value)) is not None}
-    if len(set(lengths.values())) > 1:
-        shown = ", ".join(f"{label}: {n}" for label, n in lengths.items())
-        raise DispatchError(
-            f"{mode} needs all DataProto and TensorDict arguments to have the same length; got {shown}"
-        )
-    return next(iter(lengths.values()), None)
 
 
 class RankOutputs(list):
@@ -350,8 +420,11 @@ def dispatch_dp_compute_data_proto(
 ) -> tuple[tuple[list[Any], ...], dict[str, Any]]:
     """Pad and split batch arguments over the ranks (verl's ``dispatch_dp_compute_data_proto``).
 
-    Every argument must be a ``DataProto``, ``TensorDict`` or ``DataProtoFuture``. The
-    DataProto and TensorDict arguments, which must all have the same length ``L``, are padded
+    Every argument must be a ``DataProto``, ``TensorDict`` or ``DataProtoFuture``, all of one
+    length ``L`` (verl asserts as much), futures included: those whose producers replied are
+    checked here, the others by the consuming ranks before they fetch a row (every rank raises
+    a ``RankError`` holding the ``DispatchError`` that names the arguments and their rows). The
+    DataProto and TensorDict arguments are padded
     to ``L + pad`` rows (a multiple of ``world_size``, rows repeated from the start) and split
     into ``world_size`` equal pieces. DataProtoFutures are cut the same way on the consuming
     ranks (:meth:`DataProtoFuture.padded_chunk`), so 2 rows feed 3 ranks on both paths: with
@@ -366,22 +439,31 @@ def dispatch_dp_compute_data_proto(
 
     Raises:
         DispatchError: an argument of another type (message names it and its type),
-            arguments of different lengths, or a batch with no rows.
+            arguments of different lengths (each named with its rows), or a batch with no rows.
     """
     mode = "DP_COMPUTE_PROTO"
     args, kwargs, as_given = foreign.native_arguments(args, kwargs)
     _check_batches(mode, args, kwargs)
     n = worker_group.world_size
-    length = _common_length(mode, args, kwargs)
-    if length == 0:
+    lengths = _Lengths(args, kwargs)
+    lengths.refuse(mode)
+    if lengths.length == 0:
         raise DispatchError(f"{mode} got batches with 0 rows; there is nothing to split over {n} ranks")
+    length = lengths.batch
     pad_size = (-length) % n if length else 0
 
     def pad_and_split(label: str, value: Any) -> list[Any]:
         if _num_rows(value) is not None:
             value, _ = pad_rows(value, n)
         elif isinstance(value, DataProtoFuture):
-            return value.padded_chunk(n, strip=length is None, keep_parts=length is None, length=length)
+            alone = lengths.count == 1 or _even_parts(value, n)
+            return value.padded_chunk(
+                n,
+                strip=length is None,
+                keep_parts=length is None and alone,
+                length=lengths.length if length is None else length,
+                check=lengths.check(label),
+            )
         return _split_batch(label, value, n)
 
     split_args = tuple(pad_and_split(f"positional argument {i}", arg) for i, arg in enumerate(args))
@@ -420,7 +502,8 @@ def dispatch_dp_compute_data_proto_with_func(
 
     Raises:
         DispatchError: no first argument, or it is not callable; another argument is not a
-            DataProto/TensorDict/DataProtoFuture or has fewer rows than ``world_size``.
+            DataProto/TensorDict/DataProtoFuture, has fewer rows than ``world_size``, or has
+            other rows than another (a future's checked on the ranks where not known here).
     """
     mode = "DP_COMPUTE_PROTO_WITH_FUNC"
     if not args or not callable(args[0]):
@@ -430,10 +513,14 @@ def dispatch_dp_compute_data_proto_with_func(
     func, rest = args[0], args[1:]
     _check_batches(mode, rest, kwargs, start=1)
     n = worker_group.world_size
+    lengths = _Lengths(rest, kwargs, start=1)
+    lengths.refuse(mode)
     split_args = tuple(
-        _split_batch(f"positional argument {i}", arg, n) for i, arg in enumerate(rest, start=1)
+        _split_batch(f"positional argument {i}", arg, n, lengths) for i, arg in enumerate(rest, start=1)
     )
-    split_kwargs = {key: _split_batch(f"argument {key!r}", value, n) for key, value in kwargs.items()}
+    split_kwargs = {
+        key: _split_batch(f"argument {key!r}", value, n, lengths) for key, value in kwargs.items()
+    }
     return as_given(([func] * n, *split_args), split_kwargs)
 
 
@@ -499,17 +586,20 @@ def dispatch_nd_compute_dataproto(
     answer in ``worker_group._dispatch_info[mesh_name]``. No padding (as verl).
 
     Raises:
-        DispatchError: a non-batch argument, a batch with fewer rows than ``dp_size``, or dp
+        DispatchError: a non-batch argument, a batch with fewer rows than ``dp_size``, batches
+            of different lengths (futures' checked on the ranks where not known here), or dp
             ranks that do not cover ``0..dp_size-1``.
     """
     mode = f"mesh dispatch {mesh_name!r}"
     args, kwargs, as_given = foreign.native_arguments(args, kwargs)
     _check_batches(mode, args, kwargs)
+    lengths = _Lengths(args, kwargs)
+    lengths.refuse(mode)
     mapping = _lookup_mesh(mesh_name, worker_group, collect=False)
     dp_size = max(mapping) + 1
 
     def per_rank(label: str, value: Any) -> list[Any]:
-        pieces = _split_batch(label, value, dp_size)
+        pieces = _split_batch(label, value, dp_size, lengths)
         return [pieces[dp_rank] for dp_rank in mapping]
 
     split_args = tuple(per_rank(f"positional argument {i}", arg) for i, arg in enumerate(args))

@@ -31,11 +31,12 @@ from tensordict import TensorDictBase
 from .. import foreign
 from ..errors import ConcatError
 from ..protocol import DataProto, concat_tensordicts, unpad_rows
-from .pieces import PAD, STRIP, chunk_bounds, piece_rows, trailing_padding
+from .pieces import PAD, STRIP, chunk_bounds, piece_rows, rows_after, trailing_padding
 
 __all__ = [
     "DataProtoFuture",
     "padding_of",
+    "argument_rows",
     "concat_parts",
     "materialize",
     "evaluate",
@@ -155,8 +156,10 @@ class DataProtoFuture:
         ranks: the producing rank of each future (``None``: ``0..len(futures)-1``).
         ops: lazy operations (``union``/``select``/``repeat``/``rename``) applied, in
             order, after collection and unpadding.
-        rows: ``(index, chunks)``: this future is piece ``index`` of [`chunk`][daskwg.DataProtoFuture.chunk];
-            ``(index, chunks, PAD | STRIP)``: of [`padded_chunk`][daskwg.DataProtoFuture.padded_chunk].
+        rows: the pieces this future was cut to, in order (``None``: not cut), each
+            ``(index, chunks)``: piece ``index`` of [`chunk`][daskwg.DataProtoFuture.chunk], or
+            ``(index, chunks, PAD | STRIP, ...)``: of [`padded_chunk`][daskwg.DataProtoFuture.padded_chunk]
+            (``daskwg.futures.pieces``); a piece cut again holds both.
 
     Returned by non-blocking ``DP_COMPUTE_PROTO`` (and mesh) calls. ``get()``
     materialises it in the driver; passing it to another group's call moves the data
@@ -279,41 +282,102 @@ class DataProtoFuture:
         return replace(self, pad_size=self.pad_size + pad_size)
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
-        """Split into ``chunks`` futures, piece ``i`` being ``value.chunk(chunks)[i]``.
+        """Split into ``chunks`` futures, piece ``i`` being ``value.chunk(chunks)[i]``
+        (:meth:`daskwg.DataProto.chunk`: the first ``N % chunks`` pieces one row longer).
 
-        When this future is the plain concatenation of exactly ``chunks`` parts (the
-        output of a group with the same dp size), piece ``i`` is part ``i`` itself.
-        Otherwise piece ``i`` is a row range, which a consuming rank fetches from the
-        workers holding those rows.
+        Each piece is a future too: it can be chunked again, handed to a group of any size
+        (``for mb in fut.chunk(4): wg.update_policy(mb)``) or ``get()``. When this future is
+        the plain concatenation of exactly ``chunks`` parts (the output of a group with the
+        same dp size), piece ``i`` is part ``i`` itself. Otherwise piece ``i`` is a row
+        range, which a consuming rank fetches from the workers holding those rows.
 
         Raises:
-            ValueError: ``chunks`` is not a positive int, or this future is a piece already.
+            TypeError: ``chunks`` is not an int (as ``DataProto.chunk``).
+            ValueError: ``chunks < 1``; or the driver knows this future's rows
+                (:meth:`known_rows`) and they are fewer than ``chunks`` (else that is raised
+                where the piece is materialised, as ``DataProto.chunk`` raises it); or a
+                custom ``dispatch_fn`` was applied.
         """
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-        if self.rows is not None or self.dispatch_fn is not None:
-            raise ValueError("this DataProtoFuture is already a piece of a chunk(); chunk the whole one")
+        if not isinstance(chunks, (int, np.integer)) or isinstance(chunks, bool):
+            raise TypeError(f"chunks must be an int, got {type(chunks).__name__}")
+        chunks = int(chunks)
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if self.dispatch_fn is not None:
+            raise ValueError(
+                "cannot chunk a DataProtoFuture with a custom dispatch_fn; chunk the one before it"
+            )
+        rows = self.known_rows()
+        if rows is not None and rows < chunks:
+            raise ValueError(
+                f"cannot split {rows} rows into {chunks} non-empty chunks; pad first with "
+                f"pad_dataproto_to_divisor(fut.get(), {chunks}) and unpad the result"
+            )
+        return self._cut(chunks)
+
+    def _cut(self, chunks: int) -> list[DataProtoFuture]:
         if (
             len(self.futures) == chunks
             and self.collect_fn is concat_parts
             and not self.pad_size
             and not self.ops
+            and self.rows is None
         ):
             ranks = list(self.ranks) if self.ranks is not None else list(range(chunks))
             return [replace(self, futures=[f], ranks=[r]) for f, r in zip(self.futures, ranks)]
-        return [replace(self, rows=(i, chunks)) for i in range(chunks)]
+        return [replace(self, rows=(*(self.rows or ()), (i, chunks))) for i in range(chunks)]
 
-    def padded_chunk(self, chunks: int, strip: bool, keep_parts: bool = True, length: int | None = None):
+    def padded_chunk(
+        self,
+        chunks: int,
+        strip: bool | None,
+        keep_parts: bool = True,
+        length: int | None = None,
+        check: tuple | None = None,
+    ) -> list[DataProtoFuture]:
         """[`chunk`][daskwg.DataProtoFuture.chunk] padded as ``DP_COMPUTE_PROTO`` pads a batch (2 rows feed 3
-        ranks). ``strip``: each rank unpads its own output, else the driver does; ``keep_parts``: parts
-        one per piece are the pieces; ``length``: rows the driver's batches beside it have (ranks check)."""
-        pieces = self.chunk(chunks)
+        ranks). ``strip``: each rank unpads its own output, ``False``: the driver does, ``None``: no
+        padding; ``keep_parts``: parts one per piece are the pieces; ``length``: rows the driver's
+        batches beside it have (ranks check); ``check``: ``(label, known)``, the ranks compare this
+        argument's rows with the call's other batch arguments' (``daskwg.futures.pieces``).
+
+        Raises:
+            ValueError: a custom ``dispatch_fn`` was applied."""
+        if self.dispatch_fn is not None:
+            raise ValueError(
+                "cannot chunk a DataProtoFuture with a custom dispatch_fn; chunk the one before it"
+            )
+        pieces = self._cut(chunks)
         if pieces[0].rows is None:
-            if keep_parts:
+            if keep_parts and check is None:
                 return pieces
-            pieces = [replace(self, rows=(i, chunks)) for i in range(chunks)]
-        tail = (STRIP if strip else PAD,) + (() if length is None else (length,))
-        return [replace(p, rows=(*p.rows, *tail)) for p in pieces]
+            pieces = [replace(self, rows=(*(self.rows or ()), (i, chunks))) for i in range(chunks)]
+        mode = None if strip is None else STRIP if strip else PAD
+        tail = (
+            (mode, length, check) if check is not None else (mode, length) if length is not None else (mode,)
+        )
+        if tail == (None,):
+            return pieces
+        return [replace(p, rows=(*p.rows[:-1], (*p.rows[-1][:2], *tail))) for p in pieces]
+
+    def known_rows(self) -> int | None:
+        """Rows of this future's value, when the driver knows them: every part's producer
+        finished and its reply said how many rows the part holds; ``None`` otherwise (or for
+        a future with a custom ``collect_fn``/``dispatch_fn``)."""
+        if not self.row_addressable:
+            return None
+        plan, parts = self.plan()
+        lengths = []
+        for part in parts:
+            rows_of_part = getattr(part, "batch_rows", None)
+            rows = rows_of_part() if callable(rows_of_part) else None
+            if rows is None:
+                return None
+            lengths.append(rows)
+        try:
+            return argument_rows(plan, lengths, whole=True)
+        except ValueError:
+            return None  # a union of different lengths: raised where it is materialised
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -439,8 +503,9 @@ def evaluate(plan: tuple, lengths: list[int], metas: list, fetch: Callable[[int,
         the DataProto (or TensorDict) the plan stands for: all its rows, or piece
         ``rows[0]`` of ``rows[1]`` as ``DataProto.chunk`` would cut it.
     """
-    n = _plan_length(plan, lengths)
-    idx = np.arange(n) if plan[2] is None else piece_rows(n, plan[2])
+    idx = np.arange(_plan_length(plan, lengths))
+    for piece in plan[2] or ():
+        idx = idx[piece_rows(len(idx), piece)]
     # A padded piece wraps around to the first rows: fetched one contiguous run at a time.
     runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1) if len(idx) else [idx]
     pieces = [_eval(plan[0], plan[1], run, None, lengths, metas, fetch) for run in runs]
@@ -544,10 +609,23 @@ def _eval_base(base: tuple, idx: np.ndarray, columns: Any, lengths, metas, fetch
 
 def padding_of(plan: tuple, lengths: list[int]) -> int:
     """How many padding rows end the ``STRIP`` piece ``plan`` stands for (0 for any other)."""
-    piece = plan[2]
-    if piece is None or len(piece) < 3 or piece[2] != STRIP:
+    pieces = plan[2]
+    if not pieces or len(pieces[-1]) < 3 or pieces[-1][2] != STRIP:
         return 0
-    return trailing_padding(_plan_length(plan, lengths), piece)
+    return trailing_padding(argument_rows(plan, lengths), pieces[-1])
+
+
+def argument_rows(plan: tuple, lengths: list[int], whole: bool = False) -> int:
+    """Rows of the batch a call was given as ``plan``: the future's value before the piece the
+    call's dispatch cut for one rank (``whole``: after every piece, the value ``plan`` stands for).
+
+    Args:
+        lengths: rows of every part (padding included), by part number.
+    Raises:
+        ValueError: a union of different lengths, or a piece that cannot be cut.
+    """
+    pieces = tuple(plan[2] or ())
+    return rows_after(_plan_length(plan, lengths), pieces if whole else pieces[:-1])
 
 
 def _merged_meta(metas: list[dict]) -> dict:

@@ -30,8 +30,9 @@ from typing import Any
 from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
-from ..errors import RankError, WorkerGroupError, WorkerLostError
-from ..futures.future import padding_of
+from ..errors import DispatchError, RankError, WorkerGroupError, WorkerLostError
+from ..futures.future import argument_rows, padding_of
+from ..futures.pieces import check_lengths
 from ..serialization import pickling as serialization
 from ..wire import messages as wire
 from ..wire.messages import Call, LazyArg, PartInfo, ResultRef
@@ -180,10 +181,15 @@ class Inputs:
         """
         current: list[Any] = [None, 0]  # the placeholder being built, the padding
         try:
+            self._check_lengths(args, kwargs, lazy_values)
             resolved = tuple(self._walk(a, lazy_values, current, 0) for a in args)
             resolved_kwargs = {k: self._walk(v, lazy_values, current, 0) for k, v in kwargs.items()}
         except _FetchFailed as failed:
             raise failed.error from None  # the producer's own error, a lost worker, a released result
+        except DispatchError as exc:  # the call's own arguments, whoever produced them
+            raise RankError(
+                call.rank, self.worker.address, call.method, traceback.format_exc(), exc
+            ) from None
         except Exception as exc:  # noqa: BLE001 - building the input from its parts failed
             source = getattr(current[0], "source", "") or "an earlier call"
             raise RankError(
@@ -194,6 +200,44 @@ class Inputs:
                 exc,
             ) from None
         return resolved, resolved_kwargs, current[1]
+
+    def _check_lengths(self, args: tuple, kwargs: dict, lazy_values: list) -> None:
+        """Refuse batch arguments of different lengths before a row is fetched: the
+        ``DataProtoFuture`` arguments whose rows the driver did not know carry a ``check``
+        (``daskwg.futures.pieces``); their rows come from their parts' ``PartInfo``.
+
+        Raises:
+            DispatchError: naming every batch argument and its rows.
+        """
+        checked = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, LazyArg) and value.kind == wire.ROWS:
+                pieces = value.spec[2] or ()
+                if pieces and len(pieces[-1]) > 4 and pieces[-1][4]:
+                    checked.append((value, pieces[-1][4]))
+        if not checked:
+            return
+        arguments = list(checked[0][1][1])
+        for lazy, (label, _) in checked:
+            values = lazy_values[lazy.index]
+            infos = [self._info(values, i) for i in range(len(values))]
+            arguments.append((label, argument_rows(lazy.spec, [info.rows for info in infos])))
+        check_lengths(arguments)
+
+    def _info(self, values: list, i: int) -> PartInfo:
+        """The ``PartInfo`` of part ``i`` of a ``ROWS`` placeholder's ``values``, left there for
+        building the argument after (a fetched one re-armed, a fetched ref kept as fetched)."""
+        value = values[i]
+        if isinstance(value, _Fetched):
+            info = self._take(wire.ROWS, value)
+            value.known(info)
+            return info
+        if isinstance(value, ResultRef):
+            info = self._take(wire.ROWS, value)
+            values[i] = fetched = _Fetched(value)
+            fetched.known(info)
+            return info
+        return self._take(wire.ROWS, value)
 
     def _walk(self, value: Any, lazy_values: list, current: list, depth: int) -> Any:
         if isinstance(value, LazyArg):

@@ -81,6 +81,18 @@ class CallFuture(Future):
                 return values[0]
         return super().result(timeout)
 
+    def batch_rows(self) -> int | None:
+        """Rows of the batch this result is, once its call replied with them (the part's
+        ``PartInfo``); ``None`` while it runs, or for a result that is no batch. What
+        ``DataProtoFuture.known_rows`` asks its parts, so that a call given batches of
+        different lengths is refused in the driver."""
+        state = self._state
+        if not isinstance(state, OwnedState):
+            return None
+        rec = state.owned.records.get(self.key)
+        info = getattr(rec, "info", None) if rec is not None and rec.status == "finished" else None
+        return None if info is None else info.rows
+
     async def _result(self, raiseit: bool = True) -> Any:
         state = self._state
         if isinstance(state, OwnedState):
