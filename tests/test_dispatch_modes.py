@@ -302,11 +302,11 @@ _MODES = {
 @pytest.mark.parametrize(
     ("args", "kwargs", "named"),
     [
-        ((_future(3, 3), _future(2, 2)), {}, "argument \\d \\(a DataProtoFuture\\): 4 rows"),
-        ((_future(3, 3),), {"other": _rows(4)}, "argument 'other': 4 rows"),
-        ((_rows(4),), {"other": _future(3, 3)}, "argument 'other' \\(a DataProtoFuture\\): 6 rows"),
-        ((_future(3, 3).chunk(2)[0], _rows(4)), {}, "\\(a DataProtoFuture\\): 3 rows"),
-        ((_future(4, 4).repeat(2), _future(8)), {}, "16 rows"),
+        ((_future(3, 3), _future(2, 2)), {}, "argument \\d \\(a DataProtoFuture\\): 4"),
+        ((_future(3, 3),), {"other": _rows(4)}, "argument 'other': 4"),
+        ((_rows(4),), {"other": _future(3, 3)}, "argument 'other' \\(a DataProtoFuture\\): 6"),
+        ((_future(3, 3).chunk(2)[0], _rows(4)), {}, "\\(a DataProtoFuture\\): 3"),
+        ((_future(4, 4).repeat(2), _future(8)), {}, ": 16"),
     ],
     ids=["future-future", "future-keyword-batch", "batch-keyword-future", "piece-batch", "repeated-future"],
 )

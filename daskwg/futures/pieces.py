@@ -99,11 +99,12 @@ def check_lengths(arguments: list[tuple[str, int]]) -> None:
 
     Args:
         arguments: ``(label, rows)`` of every batch argument whose length is known.
+
     Raises:
         DispatchError: two lengths differ; it names every argument and its rows.
     """
     if len({rows for _, rows in arguments}) > 1:
-        shown = ", ".join(f"{label}: {rows} rows" for label, rows in arguments)
+        shown = ", ".join(f"{label}: {rows}" for label, rows in arguments)
         raise DispatchError(
             "every DataProto, TensorDict and DataProtoFuture argument of one call must have the same length "
             f"(paired row by row over the ranks, as verl's dispatch requires); got {shown}. Select or pad "
