@@ -1,23 +1,28 @@
 """The driver side: how calls and data travel between the driver and the ranks.
 
-A group call goes dispatch (``daskwg.dispatch.modes``) → send (this package) → host
-(``daskwg.plugin``, on the workers) → collect (``daskwg.dispatch.modes``). This package never
-imports the worker side: both stand on ``daskwg.wire.messages``.
+A group call goes dispatch (``daskwg.dispatch``) → send (this package) → host
+(``daskwg.plugin``, on the workers) → collect (``daskwg.dispatch``). This package never
+imports the worker side: both stand on ``daskwg.wire``. Every call, whatever its path, gets
+per worker the next sequence number of this driver's session, and the worker runs calls
+strictly in that order.
 
-* :class:`GroupTransport` (``group_transport``): the facade a group calls; picks each
-  call's path and gives it its per-worker sequence numbers.
-* :class:`Driver` (``driver``): per-client state shared by all groups of one ``Client``
-  (sequence counters, what the scheduler said of the workers), and ``GroupRanks``.
-* ``channel``: a driver thread's own event loop and connection pool (blocking calls).
-* ``failures``: one group's failure state; ``CallWatch``.
-* ``direct``: blocking calls straight to the workers' ``daskwg_call`` handler, one round
-  trip, no scheduler hop.
-* ``tasks``: non-blocking calls and calls taking a ``DataProtoFuture``, as Dask tasks
-  whose results stay on the workers.
-* ``waiting``: waiting for task-path futures, deadline reports.
-
-Two ways to send, one order: every call gets, per worker, the next sequence number of
-this driver, and the worker runs calls strictly in that order whichever way they came.
+* ``group_transport``: :class:`GroupTransport`, the facade a group calls; picks each call's
+  path and gives it its per-worker sequence numbers.
+* ``driver``: :class:`Driver`, per-client state shared by all groups of one ``Client``
+  (sequence counters, sessions, what the scheduler said of the workers), and ``GroupRanks``.
+* ``channel``: a driver thread's own event loop and connection pool; Ctrl-C held off while a
+  call is written.
+* ``streams``: call streams, one connection per worker process and driver loop.
+* ``direct``: the direct path, blocking calls on the call streams (one round trip).
+* ``submit``: the submit path, non-blocking calls on the call streams, one future per rank.
+* ``planned``: the plan path, one replay of a step plan as one message per worker.
+* ``tasks``: the task path, calls taking futures no group call made, as Dask tasks.
+* ``arguments``: futures among a call's arguments, and relayed broadcasts.
+* ``owned``: results the driver owns on the workers (what it knows of each future).
+* ``call_future``: :class:`CallFuture`, the Dask future of such a result.
+* ``frees``: dropping results on their workers, batched with the next call.
+* ``failure``: the failure model (one group's failure state, lost workers, heartbeats,
+  waits, deadline reports and forensics).
 """
 
 from .call_future import CallFuture

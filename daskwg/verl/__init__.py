@@ -31,6 +31,9 @@ What has no counterpart: placement groups and bundles (``use_gpu``,
 Dask worker is the unit, one per GPU under dask-cuda), Ray actor options
 (``update_options``, ``set_additional_resource`` are recorded only), Ray actor handles
 (``workers`` are Dask worker addresses).
+
+Modules: ``groups`` (``RayClassWithInitArgs``, the colocated classes, ``RayWorkerGroup``)
+and ``pools`` (``RayResourcePool``, its splits and merges, ``ResourcePoolManager``).
 """
 
 from __future__ import annotations
