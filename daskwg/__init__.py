@@ -38,7 +38,7 @@ from .groups.colocate import create_colocated_worker_cls
 from .groups.group import WorkerGroup
 from .groups.pool import ResourcePool
 from .groups.resolve import get
-from .plans.plan import PlanValue, StepPlan, plan
+from .plans.step import PlanValue, StepPlan, plan
 from .protocol import DataProto, DataProtoConfig, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
 from .worker import ClassWithInitArgs, DistGlobalInfo, DistRankInfo, Worker
 

@@ -21,7 +21,7 @@ from distributed import Future
 from ..dispatch.calling import collect, cut
 from ..dispatch.modes import dispatch_all_to_all, dispatch_one_to_all
 from ..dispatch.register import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
-from ..plans import plan as plans
+from ..plans import step as plans
 
 __all__ = ["BoundGroup", "split_or_broadcast"]
 
