@@ -75,7 +75,7 @@ class LLMConfig:
     lr: float = 3e-3
     kl_coef: float = 0.05  # verl: actor.kl_loss_coef (low_var_kl); see grpo.GRPOConfig for why not 0.001
     clip_ratio: float = 0.2
-    ppo_epochs: int = 2
+    ppo_epochs: int = 4  # verl: actor.ppo_epochs (as grpo.py)
     ppo_mini_batches: int = 2
     grad_clip: float = 1.0
     temperature: float = 1.0
