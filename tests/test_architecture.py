@@ -91,6 +91,7 @@ PACKAGES = {
     "daskwg.dispatch",
     "daskwg.groups",
     "daskwg.plans",
+    "daskwg.sync",
     "daskwg.transport",
     "daskwg.plugin",
     "daskwg.scheduler",

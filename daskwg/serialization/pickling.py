@@ -46,6 +46,7 @@ from tensordict import TensorDict, TensorDictBase
 from .. import foreign
 from ..protocol import DataProto
 from ..wire import codec
+from .dtensor import reduce_dtensor
 
 __all__ = [
     "Packed",
@@ -109,6 +110,8 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
     kind = type(obj)
     if kind is torch.Tensor:
         return codec.reduce_tensor(obj, private is not None and id(obj) not in private)
+    if isinstance(obj, torch.Tensor) and (shard := reduce_dtensor(obj)) is not NotImplemented:
+        return shard
     if kind is TensorDict:
         if obj.is_locked:
             return NotImplemented

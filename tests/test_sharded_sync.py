@@ -1,0 +1,163 @@
+"""Sharded weight sync (``daskwg.sync``) and DTensors crossing processes.
+
+Two trainer ranks hold a small MLP sharded with FSDP2 (``fully_shard``, gloo); four rollout
+ranks hold a full copy, zeroed until a sync fills it. One 6-worker cluster and one set of
+groups serve the module; each test declares its own collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import process_cluster
+from distributed import Client
+from sync_workers import Rollout, Trainer
+
+import daskwg
+from daskwg.serialization.dtensor import LocalShard
+
+pytestmark = pytest.mark.timeout(300)
+
+WIDTH, LAYERS = 64, 4
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def groups():
+    with process_cluster(6) as cluster, Client(cluster) as client:
+        pool = daskwg.ResourcePool(client, world_size=6)
+        trainer_pool, rollout_pool = pool.split([2, 4])
+        trainer = daskwg.WorkerGroup(client, Trainer, workers=trainer_pool)
+        rollout = daskwg.WorkerGroup(client, Rollout, workers=rollout_pool)
+        trainer.init(WIDTH, LAYERS, frozen=2)
+        rollout.init(WIDTH, LAYERS)
+        yield trainer, rollout
+        trainer.shutdown()
+        rollout.shutdown()
+
+
+def sync(trainer, rollout, name: str, bucket_bytes: int, delta: bool = False):
+    sent = trainer.send(name, bucket_bytes, delta)
+    got = rollout.receive(name, trainer.world_size)
+    return daskwg.get([sent, got])
+
+
+# ---- DTensors through every path ---------------------------------------------------------
+
+
+def check_shards(pieces: list) -> None:
+    """Each rank's piece is a LocalShard of its own rows only; together they are the tensor."""
+    assert [type(p) for p in pieces] == [LocalShard, LocalShard]
+    for rank, piece in enumerate(pieces):
+        assert tuple(piece.local.shape) == (WIDTH // 2, WIDTH)
+        assert piece.offset == (rank * WIDTH // 2, 0)
+        assert piece.shape == (WIDTH, WIDTH)
+        assert repr(piece.placements) == "(Shard(dim=0),)"
+        assert piece.mesh_shape == (2,) and piece.mesh_coordinate == (rank,)
+        # only the shard's own bytes came, not a storage holding the full tensor
+        assert piece.local.untyped_storage().nbytes() == piece.local.nbytes
+    torch.manual_seed(0)
+    assert torch.equal(LocalShard.assemble(pieces), torch.nn.Linear(WIDTH, WIDTH).weight.detach())
+
+
+def test_a_dtensor_returned_by_a_blocking_call_arrives_as_its_local_shard(groups):
+    trainer, _ = groups
+    check_shards(trainer.weight())
+
+
+def test_a_dtensor_arrives_as_its_local_shard_through_futures(groups):
+    trainer, _ = groups
+    check_shards(daskwg.get(trainer.weight_later()))
+
+
+def test_a_dtensor_in_meta_info_arrives_as_its_local_shard(groups):
+    trainer, _ = groups
+    out = trainer.weight_in_meta(daskwg.DataProto.from_dict({"x": torch.arange(4)}))
+    check_shards(out.meta_info["metrics"]["weight"])
+
+
+def test_a_dtensor_arrives_as_its_local_shard_through_a_plan(groups):
+    trainer, _ = groups
+    with daskwg.plan("dtensor") as plan:
+        plan.output(trainer.weight(plan.input("scale")))
+    check_shards(plan.run(scale=1.0))
+
+
+def test_a_sharded_state_dict_arrives_as_local_shards(groups):
+    trainer, _ = groups
+    states = trainer.state()
+    assert sorted(states[0]) == sorted(f"{i}.{p}" for i in range(LAYERS) for p in ("weight", "bias"))
+    assert all(isinstance(v, LocalShard) for state in states for v in state.values())
+    assert tuple(states[1]["3.bias"].local.shape) == (WIDTH // 2,)
+
+
+def test_a_dtensor_future_given_to_another_group_arrives_there_as_a_local_shard(groups):
+    trainer, rollout = groups
+    kind, pieces = rollout.describe(trainer.weight_later()[1])[0]
+    assert kind == "LocalShard" and pieces == [((WIDTH // 2, WIDTH), "(Shard(dim=0),)")]
+
+
+def test_assembling_pieces_that_miss_a_rank_says_which_are_needed(groups):
+    trainer, _ = groups
+    with pytest.raises(ValueError, match="pass the piece of every rank"):
+        LocalShard.assemble(trainer.weight()[:1])
+
+
+# ---- the sharded sync ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def collective(groups):
+    trainer, rollout = groups
+    with daskwg.create_collective_group([trainer, rollout], name=f"weights-{next(_names)}") as group:
+        yield group.name
+
+
+def test_every_rollout_rank_holds_the_trainers_full_weights_after_a_sync(groups, collective):
+    trainer, rollout = groups
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096)
+    full = trainer.full_digest()[0]
+    assert [r["full_digest"] for r in got] == [full] * 4
+    assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
+
+
+def test_a_trainer_rank_sends_its_shard_once_to_four_rollout_ranks(groups, collective):
+    trainer, rollout = groups
+    sent, _ = sync(trainer, rollout, collective, bucket_bytes=4096)
+    for report in sent:
+        assert report["egress"] <= 1.25 * report["shard_bytes"], report
+
+
+def test_the_sync_grows_a_ranks_peak_memory_by_about_one_bucket(groups, collective):
+    trainer, rollout = groups
+    bucket = 1 << 20
+    # a model of 4 x (1024 x 1024) floats: 8 MiB of shard per trainer rank, 16 MiB per rollout rank
+    trainer.init(1024, 4)
+    rollout.init(1024, 4)
+    try:
+        sent, got = sync(trainer, rollout, collective, bucket_bytes=bucket)
+        assert all(r["shard_bytes"] >= 8 * bucket for r in sent)
+        for report in sent + got:
+            assert report["rss_growth"] <= 2 * bucket + (2 << 20), report
+    finally:
+        trainer.init(WIDTH, LAYERS, frozen=2)
+        rollout.init(WIDTH, LAYERS)
+
+
+def test_a_delta_sync_sends_only_changed_shards_and_equals_a_full_sync(groups, collective):
+    trainer, rollout = groups
+    sync(trainer, rollout, collective, bucket_bytes=4096, delta=True)
+    trainer.train()  # layers 0 and 1 are frozen: half the bytes do not change
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, delta=True)
+    assert all(0 < r["changed_bytes"] <= r["shard_bytes"] // 2 for r in sent)
+    full = trainer.full_digest()[0]
+    assert [r["full_digest"] for r in got] == [full] * 4
+    assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
+
+
+def test_a_sync_with_no_rollout_rank_left_says_how_the_members_are_counted(groups, collective):
+    _, rollout = groups
+    with pytest.raises(daskwg.RankError, match="at least one rollout rank follows them"):
+        daskwg.get(rollout.receive(collective, 6))
