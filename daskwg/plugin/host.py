@@ -43,7 +43,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
-from ..wire import local_link  # serialization also installs the tensor serializer in workers
+from ..serialization import registration  # noqa: F401  (tensors, DataProtos, Packed results: daskwg's frames and sizeof)
+from ..wire import local_link
 from ..wire import messages as wire
 from ..wire.messages import PLUGIN_NAME, Call
 from . import rows, stream
