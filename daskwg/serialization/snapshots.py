@@ -7,12 +7,16 @@ alone, which nothing else can change, are referenced without a copy; any other t
 question of a value without packing it.
 
 Ownership is read from reference counts, as the walk (:func:`_owned`) sees them; the
-counts a value held only by its container has are calibrated once (:func:`_calibrate`).
+counts a value held only by its container has are measured (:func:`_calibrate`, a few
+tensors walked) by the first :func:`snapshot` or :func:`private` of the process, not at
+import: a process that imports daskwg without moving values (the driver before its first
+call, a tool that only reads the package) neither pays for nor depends on them.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +32,18 @@ from .pickling import Packed, _dump, _is_verl_dataproto
 __all__ = ["snapshot", "private"]
 
 _SCALARS = (str, bytes, int, float, bool, type(None))
+
+# Placeholders until _calibrate has measured them (large enough that everything counts as
+# private while its probes are walked).
+_CHILD_REFS = dict.fromkeys(("list", "dict", "td", "array", "dp"), 1 << 30)
+_STORAGE_USES = 1 << 30
+_ROOT_REFS = 1 << 30
+_calibrated = False
+_calibrating = threading.Lock()
+
+# What _owned counts references with: sys.getrefcount, or _calibrate's recording wrapper
+# while it measures (swapped here, not in sys, so no other code of the process sees it).
+_refcount = sys.getrefcount
 
 
 _NO_EXTRA: Counter = Counter()
@@ -53,10 +69,10 @@ def _owned(
     (and to the list ``shared``, if given, whatever in ``x`` something else may hold).
 
     ``expected`` is the reference count ``x`` has when only its container holds it (as
-    this walk visits it, calibrated once at import by :func:`_calibrate`); ``extra``
+    this walk visits it, measured once by :func:`_calibrate`); ``extra``
     counts the further references, by id, that do not count (the call's arguments).
     """
-    alone = parent_private and sys.getrefcount(x) <= expected + extra.get(id(x), 0)
+    alone = parent_private and _refcount(x) <= expected + extra.get(id(x), 0)
     mine = False  # x itself (a tensor or array) is private
     if isinstance(x, torch.Tensor):
         mine = alone and _storage_private(x)
@@ -113,6 +129,7 @@ def snapshot(obj: Any, *, held: int = 1, arguments: Iterable[Any] = ()) -> Packe
     for container in {id(c): c for c in arguments}.values():
         extra.update(id(v) for v in (container.values() if isinstance(container, dict) else container))
     private: set[int] = set()
+    _ensure_calibrated()
     _owned(obj, _ROOT_REFS + held - 1, True, private, extra)
     return _dump(obj, private)
 
@@ -129,6 +146,7 @@ def private(obj: Any, *, held: int = 1) -> bool:
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return True
     shared: list = []
+    _ensure_calibrated()
     _owned(obj, _ROOT_REFS + held - 1, True, set(), _NO_EXTRA, shared)
     return not shared
 
@@ -143,6 +161,7 @@ def _calibrate() -> tuple[int, dict[str, int], int]:
     seen: dict[str, int] = {}
 
     def probe(label: str, make: Any) -> None:
+        global _refcount
         container = make()
         observed = []
         original = sys.getrefcount
@@ -152,11 +171,11 @@ def _calibrate() -> tuple[int, dict[str, int], int]:
             observed.append(n)
             return n
 
-        sys.getrefcount = record
+        _refcount = record
         try:
             _owned(container, 1 << 30, True, set())
         finally:
-            sys.getrefcount = original
+            _refcount = original
         seen[label] = observed[-1]
 
     probe("list", lambda: [torch.zeros(1)])
@@ -166,14 +185,15 @@ def _calibrate() -> tuple[int, dict[str, int], int]:
     probe("dp", lambda: DataProto(batch=None, meta_info={}))
 
     def root_probe() -> int:
+        global _refcount
         value = [torch.zeros(1)]
         counts = []
         original = sys.getrefcount
-        sys.getrefcount = lambda x: counts.append(original(x) - 1) or counts[-1]
+        _refcount = lambda x: counts.append(original(x) - 1) or counts[-1]  # noqa: E731
         try:
             _root_owned(value)
         finally:
-            sys.getrefcount = original
+            _refcount = original
         return counts[0]
 
     fresh = torch.zeros(1)
@@ -182,7 +202,13 @@ def _calibrate() -> tuple[int, dict[str, int], int]:
     return root_probe(), seen, storage_uses
 
 
-# Placeholders while _calibrate walks its probes; replaced by the measured counts.
-_CHILD_REFS = dict.fromkeys(("list", "dict", "td", "array", "dp"), 1 << 30)
-_STORAGE_USES = 1 << 30
-_ROOT_REFS, _CHILD_REFS, _STORAGE_USES = _calibrate()
+def _ensure_calibrated() -> None:
+    """Measure the counts :func:`_owned` compares with, once per process (any thread; the
+    others wait for the first)."""
+    global _ROOT_REFS, _CHILD_REFS, _STORAGE_USES, _calibrated
+    if _calibrated:
+        return
+    with _calibrating:
+        if not _calibrated:
+            _ROOT_REFS, _CHILD_REFS, _STORAGE_USES = _calibrate()
+            _calibrated = True
