@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from ..protocol import DataProto
-from ..wire.metrics import BUCKETS
+from ..wire.metrics import BUCKETS, MetricsSnapshot
 
 __all__ = ["CallMetrics", "payload_nbytes"]
 
@@ -120,10 +120,9 @@ class CallMetrics:
             with self._lock:
                 self._bytes[(group, direction)] += nbytes
 
-    def snapshot(self) -> dict:
-        """Plain data for the comm layer: ``calls`` ``[group, method, outcome, count]``,
-        ``durations`` ``[group, method, per-bucket counts (not cumulative), sum]``,
-        ``bytes`` ``[group, direction, count]``."""
+    def snapshot(self) -> MetricsSnapshot:
+        """The counters as plain data for the comm layer (their shape:
+        :class:`~daskwg.wire.metrics.MetricsSnapshot`)."""
         with self._lock:
             return {
                 "calls": [[g, m, o, n] for (g, m, o), n in self._calls.items()],

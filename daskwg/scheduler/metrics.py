@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
+from ..wire.metrics import MetricsSnapshot
+
 __all__ = ["merge"]
 
 
-def merge(snapshots: Iterable[dict]) -> dict:
-    """Add up the :meth:`CallMetrics.snapshot` of several workers.
+def merge(snapshots: Iterable[MetricsSnapshot]) -> dict:
+    """Add up the counters of several workers (each a
+    :class:`~daskwg.wire.metrics.MetricsSnapshot`; a missing key counts as empty).
 
     Returns:
         ``{"calls": {(group, method, outcome): n}, "durations": {(group, method):
