@@ -105,52 +105,6 @@ def _owned(
         shared.append(x)  # held elsewhere, or an object of a class this walk does not open
 
 
-def snapshot(obj: Any, *, held: int = 1, arguments: Iterable[Any] = ()) -> Packed:
-    """``obj`` packed as it is now: later in-place changes to its tensors do not show.
-
-    Tensors and numeric arrays that only this result references (a tensor the method
-    created and returned, directly or inside dicts, lists, tuples, DataProtos,
-    TensorDicts, object arrays) keep their memory; every other one (an attribute of
-    the rank, a view of one, a tensor built on a numpy array) is copied. The copy costs
-    one ``memcpy`` of that tensor; nothing else is copied.
-
-    Args:
-        obj: the value.
-        held: how many variables of the calling frames hold ``obj`` (a method's
-            return value in the host: its local and the helper's argument, 2); any
-            other reference to ``obj`` makes all of it count as shared.
-        arguments: the containers (tuples, dicts) holding the call's arguments, which
-            are alive but change nothing: a method that returns (a part of) its
-            argument returns it without a copy.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return _dump(obj, None)
-    extra: Counter = Counter()
-    for container in {id(c): c for c in arguments}.values():
-        extra.update(id(v) for v in (container.values() if isinstance(container, dict) else container))
-    private: set[int] = set()
-    _ensure_calibrated()
-    _owned(obj, _ROOT_REFS + held - 1, True, private, extra)
-    return _dump(obj, private)
-
-
-def private(obj: Any, *, held: int = 1) -> bool:
-    """Whether ``obj`` is its holders' alone: nothing else refers to it or to any tensor,
-    array or container in it (:func:`snapshot` would copy none of it), so it can be handed
-    on as it is. Objects of classes :func:`snapshot` does not walk count as shared.
-
-    Args:
-        obj: the value.
-        held: how many variables of the calling frames hold ``obj`` (as for :func:`snapshot`).
-    """
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return True
-    shared: list = []
-    _ensure_calibrated()
-    _owned(obj, _ROOT_REFS + held - 1, True, set(), _NO_EXTRA, shared)
-    return not shared
-
-
 def _root_owned(obj: Any) -> None:
     # Same frame depth as snapshot(obj) -> _owned(obj, ...).
     _owned(obj, 1 << 30, True, set())
@@ -212,3 +166,49 @@ def _ensure_calibrated() -> None:
         if not _calibrated:
             _ROOT_REFS, _CHILD_REFS, _STORAGE_USES = _calibrate()
             _calibrated = True
+
+
+def snapshot(obj: Any, *, held: int = 1, arguments: Iterable[Any] = ()) -> Packed:
+    """``obj`` packed as it is now: later in-place changes to its tensors do not show.
+
+    Tensors and numeric arrays that only this result references (a tensor the method
+    created and returned, directly or inside dicts, lists, tuples, DataProtos,
+    TensorDicts, object arrays) keep their memory; every other one (an attribute of
+    the rank, a view of one, a tensor built on a numpy array) is copied. The copy costs
+    one ``memcpy`` of that tensor; nothing else is copied.
+
+    Args:
+        obj: the value.
+        held: how many variables of the calling frames hold ``obj`` (a method's
+            return value in the host: its local and the helper's argument, 2); any
+            other reference to ``obj`` makes all of it count as shared.
+        arguments: the containers (tuples, dicts) holding the call's arguments, which
+            are alive but change nothing: a method that returns (a part of) its
+            argument returns it without a copy.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return _dump(obj, None)
+    extra: Counter = Counter()
+    for container in {id(c): c for c in arguments}.values():
+        extra.update(id(v) for v in (container.values() if isinstance(container, dict) else container))
+    private: set[int] = set()
+    _ensure_calibrated()
+    _owned(obj, _ROOT_REFS + held - 1, True, private, extra)
+    return _dump(obj, private)
+
+
+def private(obj: Any, *, held: int = 1) -> bool:
+    """Whether ``obj`` is its holders' alone: nothing else refers to it or to any tensor,
+    array or container in it (:func:`snapshot` would copy none of it), so it can be handed
+    on as it is. Objects of classes :func:`snapshot` does not walk count as shared.
+
+    Args:
+        obj: the value.
+        held: how many variables of the calling frames hold ``obj`` (as for :func:`snapshot`).
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return True
+    shared: list = []
+    _ensure_calibrated()
+    _owned(obj, _ROOT_REFS + held - 1, True, set(), _NO_EXTRA, shared)
+    return not shared
