@@ -17,8 +17,9 @@ from tensordict import TensorDict
 from workers import AddWorker
 
 from daskwg import ClassWithInitArgs, DataProto, WorkerGroup
+from daskwg.plugin.metrics import CallMetrics, payload_nbytes
 from daskwg.scheduler.dashboard import render_html
-from daskwg.scheduler.metrics import CallMetrics, merge, payload_nbytes
+from daskwg.scheduler.metrics import merge
 
 
 def dashboard_root(client) -> str:

@@ -34,8 +34,15 @@ from plane_workers import (
     tcp_bytes_sent,
 )
 
-from daskwg import DataProto, DataProtoFuture, DispatchError, RankError, ResourcePool, WorkerGroup
-from daskwg.serialization import pickling as serialization
+from daskwg import (
+    DataProto,
+    DataProtoFuture,
+    DispatchError,
+    RankError,
+    ResourcePool,
+    WorkerGroup,
+    serialization,
+)
 
 MiB = 1 << 20
 ROWS, COLS = 1024, 2048  # x and noise: 8 MiB each; the batch is 16 MiB

@@ -1118,8 +1118,8 @@ def test_a_large_concat_writes_one_block_per_column_with_torch_cats_values():
     # Collecting a batch writes each large column into memory numpy allocates (huge pages)
     # and counts it as the process's own: the same values, dtypes, shapes and batch size
     # as torch.cat, and handed on without a copy.
+    from daskwg import serialization
     from daskwg.protocol import _LARGE_CAT, concat_tensordicts
-    from daskwg.serialization import pickling as serialization
 
     rows = _LARGE_CAT // (8 * 64) + 1  # x: float64 [rows, 64] crosses the threshold per part
     parts = [

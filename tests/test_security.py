@@ -20,7 +20,7 @@ from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
 from daskwg import ClassWithInitArgs, RankError, WorkerGroup
-from daskwg.serialization.pickling import pack
+from daskwg.serialization.parts import pack
 from daskwg.transport import Driver as _Driver
 from daskwg.wire import local_link
 from daskwg.wire.messages import Call

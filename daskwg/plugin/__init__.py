@@ -18,6 +18,7 @@ It never imports the driver side (``daskwg.transport``): both stand on ``daskwg.
 * ``gathered``: rows of several same-host parts written into one file of the consumer.
 * ``shared``: whole results read through shared memory by ranks of the same host.
 * ``relay``: streaming a stored result to a consumer, and relayed broadcasts.
+* ``metrics``: what the calls hosted here count, for the scheduler's ``/metrics``.
 * ``exceptions``: shaping what rank code raises so that it reaches the driver.
 * ``process_group``: the one torch.distributed default group a worker process holds.
 * ``ports``: reserving a group's ``MASTER_PORT`` on rank 0's host.

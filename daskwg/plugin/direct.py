@@ -23,6 +23,7 @@ from distributed.protocol import to_serialize
 
 from ..errors import GroupBrokenError
 from ..serialization import pickling as serialization
+from ..serialization.parts import message_part, unpack, unpacked_part
 from ..wire.messages import Call
 from . import rows
 from .exceptions import picklable, unpickling_error
@@ -56,13 +57,13 @@ class DirectCalls:
         ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
         send calls on call streams (``daskwg_stream``); this serves what else sends one."""
         status, nbytes, error, result, *_ = await self.run(
-            Call(*call), serialization.unpacked_part(payload), refs, key, inline, relay_wait
+            Call(*call), unpacked_part(payload), refs, key, inline, relay_wait
         )
         if status != "OK":
             return {"status": status, "exception": to_serialize(error)}
         reply: dict = {"status": "OK", "nbytes": nbytes}
         if result is not None:
-            reply["result"] = serialization.message_part(result)
+            reply["result"] = message_part(result)
         return reply
 
     async def run(
@@ -120,7 +121,7 @@ class DirectCalls:
             args = serialization.loads(payload)
             del payload
             if refs is not None:
-                refs = pickle.loads(refs) if isinstance(refs, bytes) else serialization.unpack(refs)
+                refs = pickle.loads(refs) if isinstance(refs, bytes) else unpack(refs)
             lazy = None if refs is None else host._inputs.prefetch(refs, relay_wait)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             # The call never reaches the host: give up its place in the order.

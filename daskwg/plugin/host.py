@@ -43,8 +43,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..config import Settings
 from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
-from ..scheduler.metrics import CallMetrics, payload_nbytes
-from ..wire import local_link  # serialization also installs the tensor serializer in workers
+from ..serialization import registration  # noqa: F401  (tensors, DataProtos, Packed results: daskwg's frames and sizeof)
+from ..wire import local_link
 from ..wire import messages as wire
 from ..wire.messages import PLUGIN_NAME, Call
 from . import rows, stream
@@ -53,6 +53,7 @@ from .direct import DirectCalls
 from .exceptions import earlier_process_error, rank_error
 from .inputs import Inputs
 from .interfaces import socket_ifname_env
+from .metrics import CallMetrics, payload_nbytes
 from .planned import PlanRunner
 from .ports import reserve_port
 from .process_group import ProcessGroups
@@ -263,7 +264,7 @@ class HostPlugin(WorkerPlugin):
         return status_records(self.calls, hosted, self._last_error)
 
     def _handle_metrics(self) -> dict:
-        """Counters of the calls hosted here (:meth:`daskwg.scheduler.metrics.CallMetrics.snapshot`),
+        """Counters of the calls hosted here (:meth:`daskwg.plugin.metrics.CallMetrics.snapshot`),
         for the scheduler's ``/metrics``."""
         return self._metrics.snapshot()
 

@@ -25,6 +25,7 @@ from .. import foreign
 from ..errors import GroupBrokenError, RankError
 from ..futures.future import rows_of
 from ..serialization import pickling as serialization
+from ..serialization.snapshots import private
 from ..wire.messages import Call, Slot
 from .exceptions import picklable, unpickling_error
 from .rank import snapshot
@@ -226,7 +227,7 @@ class _HandOff(list):
     @staticmethod
     def pack(result: Any, call: Call, arguments: tuple) -> Any:
         # Held by _invoke's local and this argument, as rank.snapshot counts them.
-        if serialization.private(result, held=2):
+        if private(result, held=2):
             return _Live(result)
         return snapshot(result, call, arguments)
 

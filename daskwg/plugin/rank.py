@@ -19,6 +19,7 @@ from .. import collective, foreign
 from ..futures.future import rows_of
 from ..protocol import DataProto, unpad_rows
 from ..serialization import pickling as serialization
+from ..serialization import snapshots
 from ..wire.messages import Call
 from .rank_loop import RankLoop
 
@@ -124,7 +125,7 @@ def strip_padding(result: Any, padding: int) -> Any:
 
 
 def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:
-    """The result as it is at return time (:func:`daskwg.serialization.pickling.snapshot`), or
+    """The result as it is at return time (:func:`daskwg.serialization.snapshots.snapshot`), or
     a clear error now rather than inside Dask's comm layer later.
 
     ``result`` must be held by exactly one variable of the caller besides this
@@ -138,7 +139,7 @@ def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:
     try:
         # Held by the caller's local and this argument; the call's argument containers
         # are alive but change nothing.
-        return serialization.snapshot(result, held=2, arguments=arguments)
+        return snapshots.snapshot(result, held=2, arguments=arguments)
     except Exception as exc:  # noqa: BLE001
         raise TypeError(
             f"{call.group_name}.{call.method} on rank {call.rank} returned a "

@@ -12,6 +12,7 @@ from distributed import get_worker
 from distributed.worker_state_machine import SecedeEvent
 
 from ..errors import GroupBrokenError, RankError
+from ..serialization import registration  # noqa: F401  (Dask keeps, sizes and sends the Packed results)
 from ..wire import messages as wire
 from ..wire.messages import Call
 from .exceptions import shippable

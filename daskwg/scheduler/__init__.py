@@ -2,5 +2,6 @@
 
 * ``release``: :class:`ReleaseOnClientExit`, a departed driver's ranks released.
 * ``dashboard``: the ``<dashboard>/daskwg`` page and the ``daskwg_*`` Prometheus series.
-* ``metrics``: what every worker counts about its calls, and their merge.
+* ``metrics``: the workers' call counters added together (each worker counts its own in
+  ``daskwg.plugin.metrics``).
 """

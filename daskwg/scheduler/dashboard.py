@@ -36,8 +36,9 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 
 from .. import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
+from ..wire.metrics import BUCKETS
 from ..wire.records import ROOT
-from .metrics import BUCKETS, merge
+from .metrics import merge
 
 __all__ = ["DashboardPlugin", "PLUGIN_NAME", "render_html"]
 

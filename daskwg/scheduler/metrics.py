@@ -1,142 +1,24 @@
-"""What every Dask worker counts about the calls it hosts, for Prometheus.
+"""The workers' call counters added together, in the scheduler, for Prometheus.
 
-The host plugin (``plugin``) keeps one :class:`CallMetrics` per worker process and
-answers the ``daskwg_metrics`` comm handler with :meth:`CallMetrics.snapshot`; the
-scheduler plugin (``dashboard``) adds the snapshots of all workers together with
-:func:`merge` and exports them as ``daskwg_*`` series on the scheduler's ``/metrics``.
-Counters live as long as the worker process: a restarted worker starts from zero, as
-Prometheus counters do after a process restart.
+The scheduler's dashboard plugin (``daskwg.scheduler.dashboard``) asks every worker for
+its counters (the ``daskwg_metrics`` comm handler, answered with
+``daskwg.plugin.metrics.CallMetrics.snapshot``) and adds them with :func:`merge` before
+exporting them as ``daskwg_*`` series on the scheduler's ``/metrics``.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
-import numpy as np
-import torch
-from tensordict import TensorDict
+from ..wire.metrics import MetricsSnapshot
 
-from ..protocol import DataProto
-
-__all__ = ["BUCKETS", "CallMetrics", "merge", "payload_nbytes"]
-
-#: Upper bounds (seconds) of the call duration histogram's buckets: a 1 ms echo up to a
-#: training step of minutes; the implicit last bucket is ``+Inf``.
-BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0, 1800.0)
-
-# Nested containers deeper than this are not walked (bytes there are not counted).
-_MAX_DEPTH = 6
+__all__ = ["merge"]
 
 
-def payload_nbytes(obj: Any, _depth: int = 0) -> int:
-    """Bytes of tensor and array data in ``obj``: what a call's arguments or result weigh.
-
-    Counts ``torch.Tensor`` (its own elements: a view counts only its bytes, as it
-    travels), ``numpy.ndarray`` (``nbytes``), and walks ``DataProto``/``TensorDict``
-    (duck-typed), lists, tuples and dicts. Scalars and other objects count 0: they are
-    small next to the batches, and measuring them would cost a pickle.
-
-    It runs twice per hosted call (arguments and result), so the common kinds are told
-    by their exact type first (a scalar costs one set lookup, ~0.1 µs) and only other
-    objects by ``isinstance`` and attribute checks.
-    """
-    kind = type(obj)
-    if kind in _NO_BYTES or _depth > _MAX_DEPTH:
-        return 0
-    if kind is tuple or kind is list:
-        return _sum_of(obj, _depth)
-    if kind is dict:
-        return _sum_of(obj.values(), _depth)
-    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
-        if obj.layout is not torch.strided:
-            return 0
-        return obj.nbytes  # its own elements (a view's, not its base's)
-    if kind is np.ndarray or isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if kind is DataProto:
-        return payload_nbytes(obj.batch, _depth + 1) + payload_nbytes(obj.non_tensor_batch, _depth + 1)
-    if kind is _PlainTensorDict:
-        # Its own entries: tensors, and nested TensorDicts, which this walk opens in turn.
-        return _sum_of(obj._tensordict.values(), _depth)
-    if hasattr(obj, "header") and hasattr(obj, "buffers"):
-        # A result snapshotted at return (serialization.Packed): its out-of-band buffers
-        # are the tensors' and arrays' bytes.
-        return sum(memoryview(b).nbytes for b in obj.buffers)
-    if isinstance(obj, (list, tuple)):
-        return _sum_of(obj, _depth)
-    if isinstance(obj, Mapping):
-        return _sum_of(obj.values(), _depth)
-    if hasattr(obj, "non_tensor_batch") and hasattr(obj, "batch"):  # DataProto
-        return payload_nbytes(obj.batch, _depth + 1) + payload_nbytes(obj.non_tensor_batch, _depth + 1)
-    if hasattr(obj, "batch_size") and hasattr(obj, "values") and hasattr(obj, "keys"):  # TensorDict
-        try:
-            leaves = obj.values(include_nested=True, leaves_only=True)
-        except TypeError:
-            leaves = obj.values()
-        return _sum_of(leaves, _depth)
-    return 0
-
-
-def _sum_of(items: Iterable, depth: int) -> int:
-    total = 0
-    for v in items:
-        if type(v) not in _NO_BYTES:
-            total += payload_nbytes(v, depth + 1)
-    return total
-
-
-# Types that hold no tensor or array bytes, told apart by exact type in payload_nbytes.
-_NO_BYTES = frozenset({type(None), bool, int, float, complex, str, bytes})
-_PlainTensorDict = TensorDict
-
-
-class CallMetrics:
-    """Per-process counters of hosted calls (thread-safe; the host thread records,
-    the worker's event loop reads).
-
-    Keys are ``(group name, method)``; the outcome is ``"ok"`` or ``"error"``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: dict[tuple[str, str, str], int] = defaultdict(int)
-        self._buckets: dict[tuple[str, str], list[int]] = {}
-        self._sums: dict[tuple[str, str], float] = defaultdict(float)
-        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
-
-    def record_call(self, group: str, method: str, ok: bool, seconds: float) -> None:
-        """Count one finished call of ``group.method`` that took ``seconds``."""
-        with self._lock:
-            self._calls[(group, method, "ok" if ok else "error")] += 1
-            counts = self._buckets.setdefault((group, method), [0] * (len(BUCKETS) + 1))
-            counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-            self._sums[(group, method)] += seconds
-
-    def record_bytes(self, group: str, direction: str, nbytes: int) -> None:
-        """Count ``nbytes`` that arrived at a rank (``"in"``: arguments, futures' parts
-        included) or that a rank returned (``"out"``)."""
-        if nbytes:
-            with self._lock:
-                self._bytes[(group, direction)] += nbytes
-
-    def snapshot(self) -> dict:
-        """Plain data for the comm layer: ``calls`` ``[group, method, outcome, count]``,
-        ``durations`` ``[group, method, per-bucket counts (not cumulative), sum]``,
-        ``bytes`` ``[group, direction, count]``."""
-        with self._lock:
-            return {
-                "calls": [[g, m, o, n] for (g, m, o), n in self._calls.items()],
-                "durations": [[g, m, list(c), self._sums[(g, m)]] for (g, m), c in self._buckets.items()],
-                "bytes": [[g, d, n] for (g, d), n in self._bytes.items()],
-            }
-
-
-def merge(snapshots: Iterable[dict]) -> dict:
-    """Add up the :meth:`CallMetrics.snapshot` of several workers.
+def merge(snapshots: Iterable[MetricsSnapshot]) -> dict:
+    """Add up the counters of several workers (each a
+    :class:`~daskwg.wire.metrics.MetricsSnapshot`; a missing key counts as empty).
 
     Returns:
         ``{"calls": {(group, method, outcome): n}, "durations": {(group, method):

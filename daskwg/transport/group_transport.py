@@ -22,6 +22,7 @@ from ..config import Settings
 from ..deadlines import current_limit
 from ..errors import DispatchError, WorkerGroupError
 from ..serialization import pickling as serialization
+from ..serialization import registration  # noqa: F401  (results, parts and scattered arguments cross Dask as Packed)
 from ..wire.memfiles import BUFFER_SMALLEST
 from ..wire.messages import Call
 from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays, ref_keys

@@ -11,4 +11,5 @@ import this package; it imports nothing of daskwg's above ``errors`` and ``confi
 * ``buffers``: receive buffers kept for the next value of their size.
 * ``codec``: a tensor as its own bytes (dtype, shape, strides, buffer) and back.
 * ``records``: the groups' records in the scheduler's metadata.
+* ``metrics``: the call counters' histogram buckets, which workers and the scheduler share.
 """
