@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 from .. import foreign
 from ..deadlines import check_seconds
 from ..futures.future import DataProtoFuture
+from ..wire.messages import DEFAULT_CONCURRENCY_GROUP
 from .modes import (
     collect_all_to_all,
     collect_dp_compute,
@@ -321,6 +322,7 @@ class RegisteredMethod:
     blocking: bool
     materialize_futures: bool
     timeout: float | None = None
+    concurrency_group: str | None = None
 
 
 def get_registered_method(func: Any) -> RegisteredMethod | None:
@@ -364,6 +366,28 @@ def _from_verl(attrs: Mapping[str, Any]) -> RegisteredMethod:
     )
 
 
+def _check_concurrency_group(name: Any) -> str | None:
+    """``register``'s ``concurrency_group`` as :class:`RegisteredMethod` keeps it: ``None`` for
+    the default group (``None`` or ``"default"``), else the name.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: not a Python identifier.
+    """
+    if name is None or name == DEFAULT_CONCURRENCY_GROUP:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(
+            f"concurrency_group must be a str (a name such as 'control') or None, got {type(name).__name__}"
+        )
+    if not name.isidentifier():
+        raise ValueError(
+            f"concurrency_group must be a Python identifier (letters, digits and '_', such as 'control'), "
+            f"got {name!r}"
+        )
+    return name
+
+
 def _materialize_futures(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -388,6 +412,7 @@ def register(
     blocking: bool = True,
     materialize_futures: bool = True,
     timeout: float | None = None,
+    concurrency_group: str | None = None,
 ) -> Callable[[_F], _F]:
     """Mark a Worker method to be bound on worker groups (verl's ``register``).
 
@@ -404,6 +429,15 @@ def register(
             before it raises [`daskwg.CallTimeoutError`][daskwg.CallTimeoutError]; an enclosing
             ``daskwg.deadline`` block takes precedence; ``None``: that block, else
             ``daskwg.call-timeout``. Not in verl (its calls have no deadline).
+        concurrency_group: the name of the method's concurrency group (Ray's actor
+            ``concurrency_groups``, e.g. ``"control"``), a Python identifier; ``None`` or
+            ``"default"``: the default group, which every other method is in. A rank runs
+            the calls of one group one at a time, in the order the driver issued them, but
+            does not make them wait for a running call of another group: a sync method of a
+            group runs on a thread of that group, an ``async def`` one on the rank's event
+            loop beside the running coroutine. So ``abort()`` or ``get_progress()`` in
+            ``"control"`` reaches a running ``generate``. Not in verl. Step plans
+            (``daskwg.plan``) refuse such methods. See docs/ranks.md ("Concurrency groups").
 
     The decorated method stays an ordinary method: calling it on an instance runs it in
     this process (after materialising futures); ``async def`` methods stay coroutine
@@ -414,7 +448,8 @@ def register(
             parentheses), or a dict mode holds a non-callable.
         ValueError: a dict mode lacks ``dispatch_fn`` or ``collect_fn``; decorating a function
             that is already registered; ``timeout`` is not a positive number; a verl member
-            without daskwg counterpart (``Dispatch.DIRECT_ROLLOUT_METHOD``).
+            without daskwg counterpart (``Dispatch.DIRECT_ROLLOUT_METHOD``); ``concurrency_group``
+            is not an identifier.
     """
     if callable(dispatch_mode) and not isinstance(dispatch_mode, (Dispatch, Mapping)):
         raise TypeError("register takes arguments: write @register() or @register(dispatch_mode=...)")
@@ -432,6 +467,7 @@ def register(
         blocking=blocking,
         materialize_futures=materialize_futures,
         timeout=check_seconds(timeout, "timeout"),
+        concurrency_group=_check_concurrency_group(concurrency_group),
     )
 
     def decorator(func: _F) -> _F:

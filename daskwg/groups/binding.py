@@ -136,7 +136,12 @@ class BoundGroup:
             registered,
             fns,
             self._send(
-                method_name, ranks, payloads, blocking=registered.blocking, timeout=registered.timeout
+                method_name,
+                ranks,
+                payloads,
+                blocking=registered.blocking,
+                timeout=registered.timeout,
+                concurrency_group=registered.concurrency_group,
             ),
             ranks,
             pad_size,

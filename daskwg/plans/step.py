@@ -119,9 +119,16 @@ class StepPlan:
         returns the stand-in of its output.
 
         Raises:
-            ValueError: an argument is a stand-in of another plan.
+            ValueError: an argument is a stand-in of another plan; the method is in a named
+                concurrency group (a plan replays one order per worker, the default group's).
             GroupBrokenError, WorkerLostError: the group cannot be called now.
         """
+        if registered.concurrency_group is not None:
+            raise ValueError(
+                f"{group._name}.{method} is in concurrency group {registered.concurrency_group!r}, which a step "
+                f"plan cannot record (a plan replays the default group's order); call it outside "
+                f"'with daskwg.plan(...)', e.g. from another thread while the step runs"
+            )
         self._check_values((args, kwargs), f"the arguments of {group._name}.{method}")
         group._check_usable(method)
         label = f"the output of {group._name}.{method} (call {self.calls + 1} of step {self.name!r})"

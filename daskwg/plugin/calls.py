@@ -1,9 +1,12 @@
-"""What the host thread is doing: :class:`CallTable`, the calls queued for it, the one it
-runs, and the ones whose futures were cancelled (for ``daskwg_status``, ``daskwg_cancel``
-and the driver's deadline reports).
+"""What the host threads are doing: :class:`CallTable`, the calls queued for them, the one
+each runs (one host thread per concurrency group: the default group's, and one per named
+group such as ``"control"``), and the ones whose futures were cancelled (for
+``daskwg_status``, ``daskwg_cancel`` and the driver's deadline reports).
 
-The worker's event loop (handlers) and the host thread both use it; its lock guards the
-queue, and the queue is only ever iterated over as a copy taken under the lock.
+The worker's event loop (handlers) and the host threads use it; its lock guards the queue
+and the running calls, which are only ever iterated over as a copy taken under the lock.
+Calls are keyed by ``(session, seq)``: a named group's calls count in a session of their
+own (:func:`daskwg.wire.messages.group_session`), so the key is unique across groups.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class QueuedCall:
 
 @dataclass(frozen=True)
 class RunningCall:
-    """The call the host thread runs now: since ``since`` (``time.monotonic()``), on thread ``ident``."""
+    """A call a host thread runs now: since ``since`` (``time.monotonic()``), on thread ``ident``."""
 
     call: Call
     since: float
@@ -45,13 +48,14 @@ class RunningCall:
 
 
 class CallTable:
-    """The calls of one worker's host thread, by ``(driver session, seq)``."""
+    """The calls of one worker's host threads, by ``(driver session, seq)``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queued: dict[tuple[str, int], QueuedCall] = {}
-        #: the running call, set and cleared by the host thread.
-        self.running: RunningCall | None = None
+        # Concurrency group (None: the default one) -> the call its host thread runs now,
+        # set and cleared by that thread.
+        self._running: dict[str | None, RunningCall] = {}
         # Unfinished calls, so that cancelling a call's future (Future.cancel,
         # client.cancel) reaches it; and the running ones that were cancelled.
         self._unfinished: dict[tuple[str, int], tuple[Call, ConcurrentFuture]] = {}
@@ -74,13 +78,25 @@ class CallTable:
         result.add_done_callback(lambda _: self._unfinished.pop(key, None))
 
     def start(self, call: Call) -> None:
-        """The host thread starts ``call`` (it leaves the queue)."""
-        self.dequeue(call)
-        self.running = RunningCall(call, time.monotonic(), threading.get_ident())
+        """A host thread starts ``call`` (it leaves the queue)."""
+        with self._lock:
+            self._queued.pop((call.session, call.seq), None)
+            self._running[call.concurrency_group] = RunningCall(call, time.monotonic(), threading.get_ident())
 
-    def finish(self) -> None:
-        """The host thread finished its call."""
-        self.running = None
+    def finish(self, call: Call) -> None:
+        """The host thread of ``call``'s concurrency group finished it."""
+        with self._lock:
+            self._running.pop(call.concurrency_group, None)
+
+    @property
+    def running(self) -> RunningCall | None:
+        """The call the default group's host thread runs now, else ``None``."""
+        return self._running.get(None)
+
+    def running_calls(self) -> list[RunningCall]:
+        """Every call a host thread runs now, the default group's first (a copy)."""
+        with self._lock:
+            return sorted(self._running.values(), key=lambda r: r.call.concurrency_group is not None)
 
     def queued(self) -> list[QueuedCall]:
         """The calls waiting now (a copy)."""
@@ -119,11 +135,11 @@ class CallTable:
                 call.rank,
             )
             return "skipped"
-        running = self.running
+        running = self._running.get(call.concurrency_group)
         if running is None or (running.call.session, running.call.seq) != (call.session, call.seq):
             return "done"
         self._cancelled.add((call.session, call.seq))
-        task = rank_loop.current_task if rank_loop is not None else None
+        task = rank_loop.task_of(call.concurrency_group) if rank_loop is not None else None
         if task is not None:
             rank_loop.loop.call_soon_threadsafe(task.cancel)
             logger.info(
@@ -156,38 +172,43 @@ def status_records(
 ) -> list[dict]:
     """What ``daskwg_status`` answers: one :func:`~daskwg.wire.messages.status_record` per rank in
     ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
-    call with its stack) and one per call queued for a rank; ``last_errors`` by the same keys."""
-    running = calls.running
+    call with its stack), one more per call of a named concurrency group running beside it
+    (after the rank's first record), and one per call queued for a rank; ``last_errors`` by
+    the same keys."""
+    running = calls.running_calls()
     queued = calls.queued()
+    frames = sys._current_frames()
     # The same clock as the table's: a stepped wall clock (NTP, a VM resumed) must not turn
     # a call's age negative or inflate it.
     now = time.monotonic()
     records = []
     for (group_id, rank), h in hosted.items():
         last_error = last_errors.get((group_id, rank))
-        if running is None or (running.call.group_id, running.call.rank) != (group_id, rank):
+        mine = [r for r in running if (r.call.group_id, r.call.rank) == (group_id, rank)]
+        if not mine:
             records.append(status_record(h.group_name, group_id, rank, "idle", last_error=last_error))
             continue
-        call = running.call
-        frame = sys._current_frames().get(running.ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else None
-        task = h.rank_loop.current_task if h.rank_loop is not None else None
-        if task is not None:
-            # An async call: the host thread only waits; where the coroutine is matters.
-            stack = task_stack(task) or stack
-        records.append(
-            status_record(
-                h.group_name,
-                group_id,
-                rank,
-                "running",
-                call,
-                now - running.since,
-                stack,
-                last_error,
-                calls.was_cancelled(call),
+        for r in mine:
+            call = r.call
+            frame = frames.get(r.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+            task = h.rank_loop.task_of(call.concurrency_group) if h.rank_loop is not None else None
+            if task is not None:
+                # An async call: the host thread only waits; where the coroutine is matters.
+                stack = task_stack(task) or stack
+            records.append(
+                status_record(
+                    h.group_name,
+                    group_id,
+                    rank,
+                    "running",
+                    call,
+                    now - r.since,
+                    stack,
+                    last_error,
+                    calls.was_cancelled(call),
+                )
             )
-        )
     for q in queued:
         records.append(
             status_record(q.call.group_name, q.call.group_id, q.call.rank, "queued", q.call, now - q.since)

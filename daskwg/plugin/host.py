@@ -16,9 +16,16 @@ The :class:`~daskwg.plugin.sequencer.Sequencer` releases calls to the thread str
 sequence number, so the two paths cannot overtake each other, and Dask's
 last-in-first-out start of near-simultaneous tasks cannot reorder collectives.
 
+Concurrency groups (``@register(concurrency_group=...)``, Ray's term): the calls of a
+named group are numbered in an order of their own and run on a host thread of their own
+(``daskwg-host-<group>_0``, started on the group's first call), so a ``"control"`` call
+runs while a call of the default group is still running; its ``async def`` methods run on
+the same rank event loop as the default group's, beside the running coroutine.
+
 Threads: handlers run on the worker's event loop; calls run on the host thread
 (``daskwg-host_0``, sync methods and ``__init__``; it has a current asyncio loop of its
-own) and on each rank's own event loop thread (``async def`` methods). The table of
+own), on the host threads of named concurrency groups (each with its own current loop)
+and on each rank's own event loop thread (``async def`` methods). The table of
 hosted ranks and the table of queued calls are shared between them: each has a lock,
 and both are only ever iterated over under it or as a copy taken under it.
 """
@@ -83,11 +90,15 @@ class HostPlugin(WorkerPlugin):
         self.address = worker.address
         self._hosted: dict[tuple[str, int], HostedRank] = {}
         self._hosted_lock = threading.Lock()
-        self._host_loop: asyncio.AbstractEventLoop | None = None
+        # Each host thread's own current asyncio loop (see _ensure_host_loop).
+        self._host_loops = threading.local()
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="daskwg-host", initializer=self._init_host_thread
         )
-        self._sequencer = Sequencer(self._executor)
+        #: named concurrency group -> the one thread its calls run on (the default group's
+        #: is ``_executor``); started on a group's first call, under ``_hosted_lock``.
+        self._group_executors: dict[str, ThreadPoolExecutor] = {}
+        self._sequencer = Sequencer(self._executor_for)
         self._process_groups = ProcessGroups(self.address, self._is_hosted)
         self._env = ProcessEnv()
         # Under every rank's own variables: worker_env and the process's environment win.
@@ -133,6 +144,10 @@ class HostPlugin(WorkerPlugin):
         for h in hosted:
             h.close_loop(wait=False)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._hosted_lock:
+            group_executors = list(self._group_executors.values())
+        for executor in group_executors:
+            executor.shutdown(wait=False, cancel_futures=True)
         self._inputs.shared.close()
         stop_listening = getattr(self, "_stop_listening", None)
         if stop_listening is not None:
@@ -270,17 +285,34 @@ class HostPlugin(WorkerPlugin):
 
     # ---- the host thread ---------------------------------------------------------------
 
+    def _executor_for(self, session: str) -> ThreadPoolExecutor:
+        """The host thread the calls of ``session`` run on: the default group's, or the
+        thread of the concurrency group the session numbers (started on its first call)."""
+        group = wire.concurrency_group_of(session)
+        if group is None:
+            return self._executor
+        with self._hosted_lock:
+            executor = self._group_executors.get(group)
+            if executor is None:
+                executor = self._group_executors[group] = ThreadPoolExecutor(
+                    max_workers=1,
+                    thread_name_prefix=f"daskwg-host-{group}",
+                    initializer=self._init_host_thread,
+                )
+            return executor
+
     def _init_host_thread(self) -> None:
-        self._host_loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._host_loop)
+        self._host_loops.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._host_loops.loop)
 
     def _ensure_host_loop(self) -> None:
         # Sync rank code may call asyncio.get_event_loop() (verl's tool parsers and reward
         # managers do) and expects the same loop on every call. asyncio.run() inside a
         # method unsets the thread's loop when it ends, so it is put back before each call.
-        loop = self._host_loop
+        # One loop per host thread: a loop runs in one thread at a time.
+        loop = getattr(self._host_loops, "loop", None)
         if loop is None or loop.is_closed():
-            loop = self._host_loop = asyncio.new_event_loop()
+            loop = self._host_loops.loop = asyncio.new_event_loop()
         # The policy's record of this thread's loop, read without get_event_loop()'s
         # side effects; any other policy is simply told again.
         if getattr(getattr(asyncio.get_event_loop_policy(), "_local", None), "_loop", None) is not loop:
@@ -323,7 +355,7 @@ class HostPlugin(WorkerPlugin):
             )
             raise rank_error(call, self.address, exc) from None
         finally:
-            self.calls.finish()
+            self.calls.finish(call)
             rank_thread.skip_signal_handlers = False
             logger.debug(
                 "%s.%s rank %d (call %d) took %.3f s",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,12 +107,22 @@ class HostedRank:
             raise AttributeError(f"{type(self.instance).__name__} has no method {call.method!r}") from None
         result = method(*args, **kwargs)
         if inspect.isawaitable(result):
+            rank_loop = self._loop(call)
+            result = rank_loop.run(result, call.concurrency_group)
+        return result
+
+    def _loop(self, call: Call) -> RankLoop:
+        # Host threads of several concurrency groups may ask at once: one loop per rank.
+        with _LOOP_LOCK:
             if self.rank_loop is None:
                 self.rank_loop = RankLoop(
                     f"daskwg-rank-{call.group_name}-r{call.rank}", self.skip_signal_handlers
                 )
-            result = self.rank_loop.run(result)
-        return result
+            return self.rank_loop
+
+
+#: Guards the start of a rank's event loop (:meth:`HostedRank._loop`).
+_LOOP_LOCK = threading.Lock()
 
 
 def strip_padding(result: Any, padding: int) -> Any:

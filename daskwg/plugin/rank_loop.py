@@ -21,13 +21,15 @@ class RankLoop:
     It runs between calls too, so tasks and servers a method starts keep serving after
     it returns (Ray's async-actor model, which verl's rollout servers rely on). The host
     thread hands each coroutine over and waits for it: a call still ends when its
-    coroutine returns, so calls keep their order.
+    coroutine returns, so calls keep their order. The host thread of a named concurrency
+    group hands its coroutines to the same loop, where they run beside the default group's
+    (as a Ray async actor's concurrency groups share its event loop).
     """
 
     def __init__(self, name: str, skip_signal_handlers: bool):
         self.loop = asyncio.new_event_loop()
-        #: the task of the async call running now (for status records), else ``None``
-        self.current_task: asyncio.Task | None = None
+        # Concurrency group (None: the default one) -> the task of its async call running now.
+        self._tasks: dict[str | None, asyncio.Task] = {}
         self._skip_signal_handlers = skip_signal_handlers
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -49,16 +51,27 @@ class RankLoop:
             finally:
                 self.loop.close()
 
-    def run(self, awaitable: Any) -> Any:
-        """Run ``awaitable`` on the loop; block the calling thread until it finishes."""
-        return asyncio.run_coroutine_threadsafe(self._call(awaitable), self.loop).result()
+    @property
+    def current_task(self) -> asyncio.Task | None:
+        """The task of the default group's async call running now, else ``None``."""
+        return self._tasks.get(None)
 
-    async def _call(self, awaitable: Any) -> Any:
-        self.current_task = asyncio.current_task()
+    def task_of(self, concurrency_group: str | None) -> asyncio.Task | None:
+        """The task of ``concurrency_group``'s async call running now (status records,
+        cancellation), else ``None``."""
+        return self._tasks.get(concurrency_group)
+
+    def run(self, awaitable: Any, concurrency_group: str | None = None) -> Any:
+        """Run ``awaitable`` on the loop as ``concurrency_group``'s call; block the calling
+        thread (that group's host thread) until it finishes."""
+        return asyncio.run_coroutine_threadsafe(self._call(awaitable, concurrency_group), self.loop).result()
+
+    async def _call(self, awaitable: Any, concurrency_group: str | None) -> Any:
+        self._tasks[concurrency_group] = asyncio.current_task()
         try:
             return await awaitable
         finally:
-            self.current_task = None
+            self._tasks.pop(concurrency_group, None)
 
     def close(self, wait: bool) -> None:
         """Stop the loop (its tasks are cancelled) and, if ``wait``, join the thread

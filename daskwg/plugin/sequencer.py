@@ -1,12 +1,19 @@
-"""Releasing a worker's calls to its host thread strictly in the driver's order."""
+"""Releasing a worker's calls to its host threads strictly in the driver's order.
+
+Each concurrency group (``@register(concurrency_group=...)``, Ray's term) has an order of
+its own: the driver numbers a group's calls in a session of their own
+(:func:`daskwg.wire.messages.group_session`), and the sequencer hands each session's calls
+to the one thread of its group, so a ``"control"`` call never waits for a running call of
+the default group, and calls within a group never overtake each other.
+"""
 
 from __future__ import annotations
 
 import functools
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from concurrent.futures import Future as ConcurrentFuture
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,29 +26,32 @@ __all__ = ["Sequencer"]
 @dataclass
 class _Session:
     session: str
+    executor: Executor
     next_seq: int = 0
     pending: dict = field(default_factory=dict)
     skipped: set = field(default_factory=set)
 
 
 class Sequencer:
-    """Releases work items to a single thread strictly in sequence-number order.
+    """Releases work items to one thread per session strictly in sequence-number order.
 
     Each driver (``session``) numbers its calls to this worker 0, 1, 2, ...; a call runs
     once every lower number of its driver has run or was skipped, whichever path it came
-    by, so the direct path and the task path cannot overtake each other.
+    by, so the direct path and the task path cannot overtake each other. A named
+    concurrency group's calls count in a session of their own, run by that group's thread.
 
     Args:
-        executor: the one-thread executor the calls run on (the host thread).
+        executor_for: ``session -> executor``: the one-thread executor a session's calls run
+            on (the host thread of its concurrency group); asked once per session.
     """
 
-    def __init__(self, executor: ThreadPoolExecutor):
-        self._executor = executor
+    def __init__(self, executor_for: Callable[[str], Executor]):
+        self._executor_for = executor_for
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._released: set[str] = set()
-        #: per driver, the sequence number of its last call that finished (or was
-        #: skipped) on the thread; calls finish in order, so one number says it all.
+        #: per session, the sequence number of its last call that finished (or was
+        #: skipped) on its thread; calls finish in order, so one number says it all.
         self.progress: dict[str, int] = {}
 
     def _done(self, session: str, seq: int) -> None:
@@ -65,7 +75,7 @@ class Sequencer:
                     )
                 )
                 return result
-            state = self._sessions.setdefault(session, _Session(session))
+            state = self._state(session)
             if seq < state.next_seq or seq in state.pending:
                 result.set_exception(
                     RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
@@ -77,6 +87,12 @@ class Sequencer:
             self._release(state)
         return result
 
+    def _state(self, session: str) -> _Session:
+        state = self._sessions.get(session)
+        if state is None:
+            state = self._sessions[session] = _Session(session, self._executor_for(session))
+        return state
+
     def seen(self, session: str, seq: int) -> bool:
         """Whether call ``seq`` of driver ``session`` has reached this worker (it is queued,
         ran, or its place was given up)."""
@@ -87,7 +103,7 @@ class Sequencer:
     def skip(self, session: str, seq: int) -> None:
         """Mark ``seq`` as never coming (its task failed before reaching this worker)."""
         with self._lock:
-            state = self._sessions.setdefault(session, _Session(session))
+            state = self._state(session)
             if seq >= state.next_seq and seq not in state.pending:
                 state.skipped.add(seq)
                 self._release(state)
@@ -108,10 +124,10 @@ class Sequencer:
             if seq in state.skipped:
                 state.skipped.discard(seq)
                 # Through the thread too, so progress never runs ahead of a call still running.
-                self._executor.submit(self._done, state.session, seq)
+                state.executor.submit(self._done, state.session, seq)
             elif seq in state.pending:
                 fn, result, span = state.pending.pop(seq)
-                self._executor.submit(
+                state.executor.submit(
                     _run_into, fn, result, functools.partial(self._done, state.session, seq + span - 1)
                 )
                 state.next_seq += span

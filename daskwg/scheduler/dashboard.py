@@ -128,8 +128,10 @@ class DashboardPlugin(SchedulerPlugin):
         Returns:
             ``{"time": unix seconds, "groups": [{"name", "group_id", "owner",
             "detached", "world_size", "ranks": [{"rank", "worker", "state", "method",
-            "seconds", "stack", "last_error", "queued": [{"method", "seconds"}]}]}],
-            "unresponsive": [worker addresses]}``. ``state`` is ``"idle"``,
+            "seconds", "stack", "last_error", "queued": [{"method", "seconds"}],
+            "concurrent": [{"method", "concurrency_group", "seconds"}]}]}],
+            "unresponsive": [worker addresses]}``; ``concurrent``: calls of named
+            concurrency groups running beside the rank's ``method``. ``state`` is ``"idle"``,
             ``"running"``, ``"not hosted"`` (the worker does not hold that rank: it
             restarted, or the group is being built or shut down) or
             ``"unresponsive"``.
@@ -170,6 +172,12 @@ class DashboardPlugin(SchedulerPlugin):
                 if rec["state"] == "queued":
                     rank["queued"].append({"method": rec["method"], "seconds": rec["seconds"]})
                     continue
+                if rank["state"] == "running" and rank["worker"] == address:
+                    # A call of another concurrency group, running beside the rank's first one.
+                    rank["concurrent"].append(
+                        {k: rec.get(k) for k in ("method", "concurrency_group", "seconds")}
+                    )
+                    continue
                 rank.update(
                     worker=address,
                     state=rec["state"],
@@ -209,6 +217,7 @@ def _rank_record(rank: int, worker: str, state: str) -> dict:
         "stack": None,
         "last_error": None,
         "queued": [],
+        "concurrent": [],
     }
 
 
@@ -342,6 +351,11 @@ def render_html(snapshot: dict, refresh: float = 2.0, json_href: str = "daskwg/j
             call = e(rank["method"] or "")
             if rank["stack"]:
                 call += f"<details><summary>stack</summary><pre>{e(rank['stack'])}</pre></details>"
+            for c in rank.get("concurrent", ()):
+                call += (
+                    f"<br>{e(str(c['method']))} <span class='meta'>({e(str(c['concurrency_group']))}, "
+                    f"{_seconds(c['seconds'])})</span>"
+                )
             queued = "<br>".join(f"{e(str(q['method']))} ({_seconds(q['seconds'])})" for q in rank["queued"])
             error = f"<span class='bad'>{e(rank['last_error'])}</span>" if rank["last_error"] else ""
             parts.append(

@@ -210,7 +210,9 @@ class DirectPath:
         Never raises: a reply read on a stream must not fail the stream's other calls."""
         # A reply means the call has ended there (and, calls ending in order, every
         # earlier one of this driver): no later call waits behind those any more.
-        self.ranks.driver.sequencer.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        self.ranks.driver.sequencer.note_finished(
+            self.ranks.slots[call.rank].server_id, call.seq, call.session
+        )
         _, _, status, _, error, header, _ = reply
         try:
             if status == "OK":

@@ -162,6 +162,7 @@ class GroupTransport:
         check: bool = True,
         settle: float | None = None,
         timeout: float | None = None,
+        concurrency_group: str | None = None,
     ) -> list:
         """Send one call to each of ``ranks``; values if blocking, else Dask futures.
 
@@ -177,6 +178,9 @@ class GroupTransport:
                 ``daskwg.rank-failure-grace``).
             timeout: the method's ``@register(timeout=...)``; the wait's deadline is
                 :func:`daskwg.deadlines.current_limit` of it.
+            concurrency_group: the method's ``@register(concurrency_group=...)``: its calls
+                number in that group's own order on each worker (``None``: the default group).
+
         Raises:
             DispatchError: an argument cannot be pickled (before anything is sent).
             RankError, WorkerLostError, GroupBrokenError: as the call fails.
@@ -213,7 +217,7 @@ class GroupTransport:
             driver.sequencer.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
         if check and not blocking:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
-        session, seqs = driver.sequencer.numbered([s.server_id for s in slots])
+        session, seqs = driver.sequencer.numbered([s.server_id for s in slots], concurrency_group)
         calls = [
             Call(
                 session=session,
@@ -224,6 +228,7 @@ class GroupTransport:
                 method=method_name,
                 owner=self.ranks.owner,
                 worker_id=slot.server_id,
+                concurrency_group=concurrency_group,
             )
             for rank, seq, slot in zip(ranks, seqs, slots)
         ]

@@ -41,7 +41,7 @@ from typing import Any
 from distributed import Client
 
 from ..errors import GroupBrokenError
-from ..wire.messages import session_id
+from ..wire.messages import concurrency_group_of, group_session, session_id
 from .failure.calls import AbandonedCall, StuckCall
 from .failure.health import WorkerHealth
 
@@ -77,6 +77,10 @@ class Sequencer:
         self._scheduler_comm = client.scheduler_comm
         self._lock = threading.Lock()
         self._next_seq: dict[str, int] = defaultdict(int)
+        # (server id, concurrency group) -> the next number of a named concurrency group's
+        # calls there (@register(concurrency_group=...)): each group has an order of its own,
+        # in the session daskwg.wire.messages.group_session gives.
+        self._group_seq: dict[tuple[str, str], int] = defaultdict(int)
         #: server id -> the call its rank is stuck in (a broken group's straggler).
         self._stuck: dict[str, StuckCall] = {}
         # Calls the driver stopped waiting for (deadline, Ctrl-C) that may still run, by
@@ -116,10 +120,20 @@ class Sequencer:
         (one lock, so calls from several threads keep one relative order everywhere)."""
         return self.numbered(server_ids)[1]
 
-    def numbered(self, server_ids: Sequence[str]) -> tuple[str, list[int]]:
+    def numbered(
+        self, server_ids: Sequence[str], concurrency_group: str | None = None
+    ) -> tuple[str, list[int]]:
         """:meth:`take_seqs`, with the session they count in (taken together, so a
-        reconnection in another thread cannot come between)."""
+        reconnection in another thread cannot come between). A named ``concurrency_group``
+        numbers in an order of its own, in the session
+        :func:`~daskwg.wire.messages.group_session` gives."""
         with self._lock:
+            if concurrency_group is not None:
+                seqs = []
+                for sid in server_ids:
+                    seqs.append(self._group_seq[(sid, concurrency_group)])
+                    self._group_seq[(sid, concurrency_group)] += 1
+                return group_session(self._session, concurrency_group), seqs
             seqs = []
             for sid in server_ids:
                 seqs.append(self._next_seq[sid])
@@ -144,6 +158,7 @@ class Sequencer:
             self._epoch += 1
             self._session = session_id(self.client.id, self._epoch)
             self._next_seq = defaultdict(int)
+            self._group_seq = defaultdict(int)
             self._finished.clear()  # numbers of the old session
             return list(groups)
 
@@ -172,8 +187,12 @@ class Sequencer:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 10.0)
 
-    def note_finished(self, server_id: str, seq: int) -> None:
-        """Call ``seq`` of this driver ended on worker process ``server_id`` (a reply came)."""
+    def note_finished(self, server_id: str, seq: int, session: str | None = None) -> None:
+        """Call ``seq`` of this driver ended on worker process ``server_id`` (a reply came).
+        ``session``: the call's; a named concurrency group's calls count in an order of
+        their own, which says nothing of the default group's (what ``_finished`` holds)."""
+        if session is not None and concurrency_group_of(session) is not None:
+            return
         if seq > self._finished.get(server_id, -1):
             self._finished[server_id] = seq
 

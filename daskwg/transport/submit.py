@@ -154,7 +154,9 @@ class SubmitPath:
             asyncio.ensure_future(self._lost(call, key, reply))
             return
         # A reply means the call has ended there (and every earlier one of this driver).
-        self.ranks.driver.sequencer.note_finished(self.ranks.slots[call.rank].server_id, call.seq)
+        self.ranks.driver.sequencer.note_finished(
+            self.ranks.slots[call.rank].server_id, call.seq, call.session
+        )
         _, _, status, nbytes, error, header, info = reply
         if status == "OK":
             inline = None if header is None else serialization.Packed(header, buffers)

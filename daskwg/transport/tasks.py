@@ -178,7 +178,7 @@ class TaskPath:
         status = future.status
         if status == "finished":
             if server_id is not None:
-                self.ranks.driver.sequencer.note_finished(server_id, seq)
+                self.ranks.driver.sequencer.note_finished(server_id, seq, session)
             return
         loop = self.ranks.client.loop
         if status == "cancelled":

@@ -36,6 +36,9 @@ __all__ = [
     "status_record",
     "session_id",
     "of_client",
+    "DEFAULT_CONCURRENCY_GROUP",
+    "group_session",
+    "concurrency_group_of",
     "check_format",
     "call_message",
     "plan_message",
@@ -125,6 +128,10 @@ class Call:
         owner: client id that owns the group.
         worker_id: id of the worker process the call is meant for (``Worker.id``);
             a restarted worker (same name, maybe same address) has a new one.
+        concurrency_group: the method's ``@register(concurrency_group=...)`` (Ray's concurrency
+            groups), ``None`` for the default group. Calls of one group run one at a time, in
+            the driver's order, on a thread of that group; groups do not wait for each other.
+            ``session`` is then :func:`group_session`'s, so that ``seq`` counts per group.
     """
 
     session: str
@@ -135,6 +142,7 @@ class Call:
     method: str
     owner: str
     worker_id: str | None = None
+    concurrency_group: str | None = None
 
     def to_wire(self) -> tuple:
         """The fields as a plain tuple (what messages and tasks carry); ``Call(*t)`` rebuilds it."""
@@ -148,6 +156,7 @@ class Call:
             self.method,
             self.owner,
             self.worker_id,
+            self.concurrency_group,
         )
 
 
@@ -206,8 +215,36 @@ def session_id(client_id: str, epoch: int) -> str:
 
 
 def of_client(session: str, client_id: str) -> bool:
-    """Whether ``session`` is one of client ``client_id``'s (:func:`session_id`)."""
-    return session == client_id or session.startswith(client_id + "#")
+    """Whether ``session`` is one of client ``client_id``'s (:func:`session_id`, or a
+    concurrency group's of one: :func:`group_session`)."""
+    return (
+        session == client_id
+        or session.startswith(client_id + "#")
+        or session.startswith(client_id + _GROUP_SEPARATOR)
+    )
+
+
+#: The name ``@register(concurrency_group=...)`` also accepts for the default group (as ``None``).
+DEFAULT_CONCURRENCY_GROUP = "default"
+
+# Between a driver session and a concurrency group's name in :func:`group_session`: neither
+# a client id nor a session suffix holds it, and a group name (an identifier) cannot.
+_GROUP_SEPARATOR = "/"
+
+
+def group_session(session: str, concurrency_group: str | None) -> str:
+    """The session the calls of ``concurrency_group`` of driver session ``session`` are
+    numbered in: ``session`` itself for the default group (``None``), else
+    ``"<session>/<group>"``. Every worker-side record keyed by ``(session, seq)`` (the
+    order, progress, skipped places, results' readiness) then keeps the groups apart."""
+    return session if concurrency_group is None else f"{session}{_GROUP_SEPARATOR}{concurrency_group}"
+
+
+def concurrency_group_of(session: str) -> str | None:
+    """The concurrency group whose calls count in ``session`` (:func:`group_session`);
+    ``None``: the default group."""
+    _, sep, group = session.partition(_GROUP_SEPARATOR)
+    return group if sep else None
 
 
 @dataclass(frozen=True)
@@ -341,9 +378,10 @@ def status_record(
 
     Returns:
         ``{"group", "group_id", "rank", "state", "method", "seconds", "stack",
-        "last_error", "session", "seq", "cancelled"}``: ``state`` is ``"idle"``,
-        ``"running"`` or ``"queued"``; ``method``, ``session`` and ``seq`` are the running or
-        queued call's (``None`` when idle); ``seconds`` since it started or was queued.
+        "last_error", "session", "seq", "cancelled", "concurrency_group"}``: ``state`` is
+        ``"idle"``, ``"running"`` or ``"queued"``; ``method``, ``session``, ``seq`` and
+        ``concurrency_group`` are the running or queued call's (``None`` when idle, and
+        ``concurrency_group`` for the default group); ``seconds`` since it started or was queued.
     """
     return {
         "group": group_name,
@@ -357,6 +395,7 @@ def status_record(
         "session": None if call is None else call.session,
         "seq": None if call is None else call.seq,
         "cancelled": cancelled,
+        "concurrency_group": None if call is None else call.concurrency_group,
     }
 
 

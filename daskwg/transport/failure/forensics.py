@@ -61,11 +61,14 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
 
     Returns:
         ``{"rank", "address", "state", "method", "seconds", "stack", "last_error",
-        "queued", "cancelled"}``: ``state`` is ``"running"``, ``"queued"`` (a call for it
-        waits on the worker; ``method`` is the first one), ``"idle"``, ``"unresponsive"``
-        or ``"lost"`` (also when the worker no longer hosts the rank); ``queued`` counts its
-        waiting calls; ``cancelled`` says the running call's future was cancelled (a sync
-        method cannot be interrupted and runs on).
+        "queued", "cancelled", "concurrency_group", "concurrent"}``: ``state`` is
+        ``"running"``, ``"queued"`` (a call for it waits on the worker; ``method`` is the
+        first one), ``"idle"``, ``"unresponsive"`` or ``"lost"`` (also when the worker no
+        longer hosts the rank); ``queued`` counts its waiting calls; ``cancelled`` says the
+        running call's future was cancelled (a sync method cannot be interrupted and runs
+        on); ``concurrency_group`` is the running call's (``None``: the default group, which
+        comes first); ``concurrent`` lists the calls of other concurrency groups running
+        beside it, each ``{"method", "concurrency_group", "seconds", "stack"}``.
     """
     record = {
         "rank": rank,
@@ -77,6 +80,8 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
         "last_error": None,
         "queued": 0,
         "cancelled": False,
+        "concurrency_group": None,
+        "concurrent": [],
     }
     if isinstance(answer, str):
         return record
@@ -85,18 +90,33 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
     queued = sorted((r for r in mine if r["state"] == "queued"), key=lambda r: r.get("seq") or 0)
     record["queued"] = len(queued)
     if hosted:
-        record.update({k: hosted[0].get(k) for k in ("state", "method", "seconds", "stack", "last_error")})
+        keys = ("state", "method", "seconds", "stack", "last_error", "concurrency_group")
+        record.update({k: hosted[0].get(k) for k in keys})
         record["cancelled"] = bool(hosted[0].get("cancelled", False))
+        record["concurrent"] = [
+            {k: r.get(k) for k in ("method", "concurrency_group", "seconds", "stack")}
+            for r in hosted[1:]
+            if r["state"] == "running"
+        ]
     if record["state"] in ("idle", "lost") and queued:
         record.update(state="queued", method=queued[0]["method"], seconds=queued[0]["seconds"])
-        blocker = _running_on(answer)
+        blocker = _running_on(answer, queued[0].get("concurrency_group"))
         if blocker is not None:
             record["behind"] = _describe_running(blocker)
     return record
 
 
-def _running_on(answer: Sequence[dict]) -> dict | None:
-    return next((r for r in answer if r.get("state") == "running"), None)
+def _running_on(answer: Sequence[dict], concurrency_group: str | None = None) -> dict | None:
+    """The call of ``concurrency_group`` running on the worker (calls of one group queue
+    behind it, never behind another group's)."""
+    return next(
+        (
+            r
+            for r in answer
+            if r.get("state") == "running" and r.get("concurrency_group") == concurrency_group
+        ),
+        None,
+    )
 
 
 def _describe_running(record: dict) -> str:
@@ -144,7 +164,7 @@ def call_states(
                     notes[rank] = f"in {where}"
             continue
         ranks[rank] = "queued"
-        blocker = _running_on(answer)
+        blocker = _running_on(answer, getattr(call, "concurrency_group", None))
         if blocker is not None:
             notes[rank] = f"behind {_describe_running(blocker)}"
         elif mine is None:
