@@ -143,7 +143,8 @@ class WorkerLostError(WorkerGroupError):
         if self.detail:
             msg += f": {self.detail}"
         return msg + (
-            "; the group is broken: wg.restart() brings it back on fresh worker processes (rebuilding its "
+            "; the group is broken: wg.heal() rebuilds the lost rank on a free worker (the other ranks keep "
+            "their state), wg.restart() brings it back on fresh worker processes (rebuilding its "
             "ranks, whose state is lost), or shut it down and build a new one"
         )
 
