@@ -123,12 +123,19 @@ class WorkerLostError(WorkerGroupError):
     Attributes:
         rank: the rank whose worker was lost (``int``).
         address: that worker's address (``str``).
+        survivor_errors: the errors other ranks of the same call raised because of the
+            loss (``list[RankError]``, e.g. gloo's "Connection reset by peer" inside a
+            collective; the first is also the ``__context__``); empty when none did.
+
+    When a worker is lost while a call runs or just before it, this error wins over the
+    survivors' errors that the loss caused: it names the rank to look at.
     """
 
     def __init__(self, rank: int, address: str, detail: str = ""):
         self.rank = rank
         self.address = address
         self.detail = detail
+        self.survivor_errors: list = []
         super().__init__(rank, address, detail)
 
     def __str__(self) -> str:
@@ -136,12 +143,13 @@ class WorkerLostError(WorkerGroupError):
         if self.detail:
             msg += f": {self.detail}"
         return msg + (
-            "; the group is broken: wg.restart() brings it back on fresh worker processes (rebuilding its "
+            "; the group is broken: wg.heal() rebuilds the lost rank on a free worker (the other ranks keep "
+            "their state), wg.restart() brings it back on fresh worker processes (rebuilding its "
             "ranks, whose state is lost), or shut it down and build a new one"
         )
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.address, self.detail))
+        return (type(self), (self.rank, self.address, self.detail), {"survivor_errors": self.survivor_errors})
 
 
 class GroupBrokenError(WorkerGroupError):

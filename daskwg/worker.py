@@ -19,7 +19,31 @@ from . import foreign
 from .dispatch.register import Dispatch, Execute, register
 from .errors import ConflictError
 
-__all__ = ["ClassWithInitArgs", "DistGlobalInfo", "DistRankInfo", "Worker"]
+__all__ = ["ClassWithInitArgs", "DistGlobalInfo", "DistRankInfo", "MembershipChange", "Worker"]
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What [`Worker.on_membership_change`][daskwg.Worker.on_membership_change] is told
+    after ``wg.heal()`` or ``wg.resize(n)``.
+
+    Attributes:
+        kind: ``"heal"`` (lost or stuck ranks replaced) or ``"resize"``.
+        old_world_size: the group's size before (``int``).
+        new_world_size: its size now (``WORLD_SIZE``, ``self.world_size``).
+        new_ranks: the ranks built anew (``__init__`` ran there just before), e.g. ``(1,)``.
+        removed_ranks: the ranks destroyed (a resize down), e.g. ``(3,)``.
+        master_addr: the new ``MASTER_ADDR`` (rank 0's host).
+        master_port: the new ``MASTER_PORT`` (``int``), free on rank 0's host.
+    """
+
+    kind: str
+    old_world_size: int
+    new_world_size: int
+    new_ranks: tuple = ()
+    removed_ranks: tuple = ()
+    master_addr: str = ""
+    master_port: int = 0
 
 
 @dataclass
@@ -152,6 +176,24 @@ class Worker:
         self.fused_worker_dict: dict[str, Worker] = {}
         self._dispatch_dp_rank: dict[str, int] = {}
         self._collect_dp_rank: dict[str, bool] = {}
+
+    def on_membership_change(self, event: MembershipChange) -> None:
+        """Called on every rank of the group, all at once, after ``wg.heal()`` or
+        ``wg.resize(n)`` changed its members (no-op here; override it).
+
+        By then ``os.environ`` and ``self.world_size``/``get_master_addr_port()`` hold the
+        new rendezvous, surviving ranks kept their objects and state, new ranks ran
+        ``__init__``, and the torch default process group a surviving rank had was
+        destroyed; so the usual override rebuilds it and its sub-groups, e.g.
+        ``torch.distributed.init_process_group("gloo")``. Replicated state a new rank
+        needs (weights, optimizer state) is the override's to send, from a surviving rank
+        that holds it. No peer of verl or Ray has this hook; torch elastic restarts every
+        rank instead.
+
+        Args:
+            event: what changed: kind, old/new world size, new and removed ranks, the new
+                ``MASTER_ADDR``/``MASTER_PORT``.
+        """
 
     @classmethod
     def env_keys(cls) -> list[str]:

@@ -29,6 +29,7 @@ from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs
 from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
+from .heal import MembershipReport, heal_group, resize_group
 from .install import check_versions, install_plugins, version_of
 from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
@@ -100,6 +101,7 @@ class WorkerGroup(BoundGroup):
             else ClassWithInitArgs(cls_or_cls_with_init)
         )
         env = _check_options(worker_env, master_port, name, detached)
+        placement = (workers.slots if isinstance(workers, ResourcePool) else None, resources)
         if isinstance(workers, ResourcePool):
             pool = workers
             if world_size is not None and world_size != pool.world_size:
@@ -119,6 +121,8 @@ class WorkerGroup(BoundGroup):
             detached,
         )
         self._cls_with_init = cls_with_init
+        # Where heal() and resize() look for workers first, and what they must offer.
+        self._placement = placement
         self._worker_env = env
         self._requested_port = master_port
         self._role_classes = role_classes_of(cls_with_init)
@@ -154,6 +158,7 @@ class WorkerGroup(BoundGroup):
         self._closed = False
         self._finalizer: weakref.finalize | None = None
         self._cls_with_init: ClassWithInitArgs | None = None
+        self._placement: tuple = (None, None)
         self._role_classes: dict[str, type] | None = None
         self._dispatch_info: dict[str, list[int]] = {}
         self._collect_info: dict[str, list[bool]] = {}
@@ -169,8 +174,35 @@ class WorkerGroup(BoundGroup):
         settings = Settings.current()
         self._master_addr = self._slots[0].host
         self._master_port = self._client.sync(self._transport.reserve_port, self._requested_port)
+        payloads = self._rank_payloads()
+        try:
+            # Refused before anything is sent: there is nothing to destroy.
+            limit = current_limit(None, settings.call_timeout)
+            self._transport.check("__init__", list(range(self.world_size)), limit)
+        except BaseException:
+            self._transport.close()
+            self._closed = True
+            raise
+        try:
+            self._send(
+                "__init__",
+                list(range(self.world_size)),
+                payloads,
+                blocking=True,
+                raw_payload=True,
+                settle=settings.rank_failure_grace,
+            )
+        except BaseException:
+            self._destroy_ranks()
+            self._transport.close()
+            self._closed = True
+            raise
+
+    def _rank_payloads(self) -> list[dict]:
+        """Every rank's ``__init__`` payload: the class, its environment, the options."""
+        settings = Settings.current()
         hosts = [s.host for s in self._slots]
-        payloads = [
+        return [
             {
                 "cls": self._cls_with_init,
                 "env": {
@@ -194,28 +226,6 @@ class WorkerGroup(BoundGroup):
             }
             for rank, host in enumerate(hosts)
         ]
-        try:
-            # Refused before anything is sent: there is nothing to destroy.
-            limit = current_limit(None, settings.call_timeout)
-            self._transport.check("__init__", list(range(self.world_size)), limit)
-        except BaseException:
-            self._transport.close()
-            self._closed = True
-            raise
-        try:
-            self._send(
-                "__init__",
-                list(range(self.world_size)),
-                payloads,
-                blocking=True,
-                raw_payload=True,
-                settle=settings.rank_failure_grace,
-            )
-        except BaseException:
-            self._destroy_ranks()
-            self._transport.close()
-            self._closed = True
-            raise
 
     # ---- public API ------------------------------------------------------------------
 
@@ -338,6 +348,56 @@ class WorkerGroup(BoundGroup):
         self._collect_info.clear()
         self._build_ranks()
         self._publish()
+
+    def heal(self, timeout: float | None = None) -> MembershipReport:
+        """Replace the lost ranks of a broken group on free workers; the surviving ranks
+        keep their processes and Python state.
+
+        Replaced: ranks whose worker was lost, and ranks still stuck in the call that broke
+        the group ``daskwg.rank-failure-grace`` seconds on (their workers restart through
+        their Nannies; without one, the rank moves). Free workers host no rank of any group
+        (one a Nanny just restarted is free); a group built on a ``ResourcePool`` takes its
+        pool's first. Every rank gets a new rendezvous (``MASTER_ADDR`` = rank 0's host, a
+        fresh ``MASTER_PORT``; ``RANK``, ``WORLD_SIZE`` unchanged), survivors' torch default
+        process group is destroyed, replacements run ``__init__`` with the group's
+        arguments, then [`Worker.on_membership_change`][daskwg.Worker.on_membership_change]
+        runs on every rank at once. Logged. A healthy group is left as it is.
+
+        Args:
+            timeout: seconds to wait for free workers (and restarts), ``None``: 120.
+        Returns:
+            a ``daskwg.groups.heal.MembershipReport``: ``moved`` (rank -> (old, new)
+            worker address), ``seconds``, the new ``master_addr``/``master_port``.
+        Raises:
+            WorldSizeError: too few free workers within ``timeout`` (the message says what
+                it waited for).
+            GroupBrokenError: the group was shut down.
+            WorkerGroupError: the group was attached, not built here.
+            RankError: ``__init__`` or ``on_membership_change`` raised on a rank.
+        """
+        return heal_group(self, timeout)
+
+    def resize(self, world_size: int, timeout: float | None = None) -> MembershipReport:
+        """Grow or shrink the group between calls to ``world_size`` ranks.
+
+        Kept ranks (``0 .. min(old, new) - 1``, in the design's order) keep their processes
+        and state; new ranks (the highest) are built on free workers, as
+        [`heal`][daskwg.WorkerGroup.heal] finds them, with the group's arguments; removed
+        ranks (the highest) are destroyed. Every rank then sees the new ``WORLD_SIZE`` and
+        rendezvous, and ``on_membership_change`` runs on every rank.
+
+        Args:
+            world_size: the new number of ranks (>= 1).
+            timeout: seconds to wait for free workers, ``None``: 120.
+        Returns:
+            a ``daskwg.groups.heal.MembershipReport``.
+        Raises:
+            ValueError: ``world_size`` is not an int >= 1.
+            GroupBrokenError: the group is broken (``heal()`` it first) or shut down.
+            WorldSizeError: too few free workers within ``timeout``.
+            RankError: ``__init__`` or ``on_membership_change`` raised on a rank.
+        """
+        return resize_group(self, world_size, timeout)
 
     def shutdown(self) -> None:
         """Destroy the rank objects on every worker and forget the group. Idempotent.

@@ -64,7 +64,7 @@ from .metrics import CallMetrics, payload_nbytes
 from .planned import PlanRunner
 from .ports import reserve_port
 from .process_group import ProcessGroups
-from .rank import HostedRank, ProcessEnv, snapshot, strip_padding
+from .rank import HostedRank, ProcessEnv, apply_membership, snapshot, strip_padding
 from .rank_loop import install_signal_shim, rank_thread
 from .results import ResultStore
 from .sequencer import Sequencer
@@ -340,6 +340,8 @@ class HostPlugin(WorkerPlugin):
             self._ensure_host_loop()
             if call.method == "__init__":
                 return self._create(call, box[0])
+            if call.method == "__rejoin__":
+                return self._rejoin(call, box[0])
             return self._invoke(call, box, lazy_values, boxed)
         except RankError as exc:
             self._last_error[(call.group_id, call.rank)] = f"{call.method}: {exc.exception!r}"
@@ -395,6 +397,21 @@ class HostPlugin(WorkerPlugin):
                 skip_signal_handlers=skip_signals,
                 check_process_group=check_pg,
             )
+
+    def _rejoin(self, call: Call, payload: dict) -> bool:
+        """A surviving rank takes its group's new membership (``wg.heal()``, ``wg.resize()``):
+        the new environment (rendezvous, ``WORLD_SIZE``) and world size, its Worker
+        attributes, and no default process group of its group any more."""
+        hosted = self._lookup(call)
+        old_port = hosted.env.get("MASTER_PORT")
+        hosted.env = {**hosted.env, **payload["env"]}
+        hosted.world_size = payload["world_size"]
+        if call.rank == 0 and old_port is not None and old_port != hosted.env.get("MASTER_PORT"):
+            self._reserved_ports.discard(int(old_port))
+        self._process_groups.leave(call.group_id, Settings.current().shutdown_timeout)
+        self._env.apply(hosted.env, force=True)
+        apply_membership(hosted.instance, hosted.env)
+        return True
 
     def _destroy(self, call: Call) -> bool:
         with self._hosted_lock:

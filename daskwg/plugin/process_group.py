@@ -113,6 +113,19 @@ class ProcessGroups:
             (gid, rank), heir = heirs[0]
             self.owner = ProcessGroupOwner(gid, heir.group_name, rank, heir.world_size)
             return
+        self._destroy(owner, timeout)
+
+    def leave(self, group_id: str, timeout: float) -> None:
+        """Destroy the default process group that ranks of ``group_id`` initialised here,
+        whatever else is hosted: the group's membership changed (``wg.heal()``,
+        ``wg.resize()``), so a new ``init_process_group`` must be possible. Bounded by
+        ``timeout`` seconds. On the host thread."""
+        owner = self.owner
+        if owner is None or owner.group_id != group_id or not (dist.is_available() and dist.is_initialized()):
+            return
+        self._destroy(owner, timeout)
+
+    def _destroy(self, owner: ProcessGroupOwner, timeout: float) -> None:
         done = threading.Event()
         failure: list[BaseException] = []
 

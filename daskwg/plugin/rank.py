@@ -24,7 +24,27 @@ from ..serialization import snapshots
 from ..wire.messages import Call
 from .rank_loop import RankLoop
 
-__all__ = ["HostedRank", "ProcessEnv", "strip_padding", "snapshot"]
+__all__ = ["HostedRank", "ProcessEnv", "apply_membership", "strip_padding", "snapshot"]
+
+#: The Worker attributes (verl's and daskwg's) that follow a new membership, and their types.
+_MEMBERSHIP_ATTRS = {
+    "_world_size": ("WORLD_SIZE", int),
+    "_local_rank": ("LOCAL_RANK", int),
+    "_local_world_size": ("LOCAL_WORLD_SIZE", int),
+    "_master_addr": ("MASTER_ADDR", str),
+    "_master_port": ("MASTER_PORT", str),
+}
+
+
+def apply_membership(instance: Any, env: dict) -> None:
+    """Make a surviving rank's Worker attributes (and its colocated roles') say what the
+    new ``env`` says (``wg.heal()``, ``wg.resize()``): ``world_size``, the rendezvous."""
+    workers = [instance, *getattr(instance, "fused_worker_dict", {}).values()]
+    for worker in workers:
+        state = getattr(worker, "__dict__", {})
+        for attr, (key, kind) in _MEMBERSHIP_ATTRS.items():
+            if attr in state and key in env:
+                state[attr] = kind(env[key])
 
 
 class ProcessEnv:

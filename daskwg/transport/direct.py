@@ -22,6 +22,7 @@ from ..serialization import pickling as serialization
 from ..wire import messages as wire
 from ..wire.messages import Call
 from .driver import GroupRanks
+from .failure import root_cause
 from .failure.state import CallWatch, FailureState, transfer_error
 from .failure.waiting import timeout_error
 from .streams import CallStreams
@@ -121,6 +122,15 @@ class DirectPath:
                 await asyncio.wait(writing, timeout=max(grace, poll))
             on_sent()
         lost = await self._wait(calls, tasks, limit, poll)
+        errors = [
+            t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None
+        ]
+        dead = None
+        if errors and not lost:
+            # A survivor's error (a reset connection in a collective) often comes before
+            # the news that a peer's worker died: the lost worker is the error to raise.
+            dead = await root_cause.find_lost_rank(self.failures, errors)
+            lost = [i for i, (c, t) in enumerate(zip(calls, tasks)) if c.rank == dead and not t.done()]
         for i in lost:
             # Its answer, if any, would come only after the partition: the call is given
             # up, and its place skipped should the worker come back (WorkerHealth.revoke).
@@ -163,6 +173,10 @@ class DirectPath:
             for c, t in pending_calls
         ]
         seqs = {c.rank: c.seq for c, _ in pending_calls}
+        if dead is not None:
+            if pending:
+                self.failures.mark_stuck(calls[0].method, pending, seqs)
+            raise root_cause.with_survivors(self.failures.lost(dead), errors)
         if failed:
             exc = failed[0].exception()
             if pending and isinstance(exc, RankError):

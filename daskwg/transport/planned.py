@@ -23,13 +23,13 @@ from typing import Any
 
 from ..config import Settings
 from ..deadlines import Limit
-from ..errors import GroupBrokenError
+from ..errors import GroupBrokenError, RankError
 from ..serialization import pickling as serialization
 from ..wire import messages as wire
 from ..wire.messages import Call, Slot
 from .call_future import CallFuture
 from .driver import Driver, TaskCall
-from .failure import forensics
+from .failure import forensics, root_cause
 from .failure.state import TRANSFER_ERRORS, transfer_error
 from .failure.waiting import timeout_error
 from .group_transport import pack_arguments
@@ -347,7 +347,11 @@ class Replay:
         try:
             while True:
                 with self._cond:
-                    wait_s = self._verdict(limit, settings, failed_at)
+                    try:
+                        wait_s = self._verdict(limit, settings, failed_at)
+                    except RankError as exc:
+                        client = self.entries[0].transport.ranks.client
+                        raise client.sync(self._root_cause, exc) from None
                     if wait_s is None:
                         return
                     if wait_s > 0:
@@ -367,7 +371,10 @@ class Replay:
         t0, failed_at = time.monotonic(), [None]
         try:
             while True:
-                wait_s = self._verdict(limit, settings, failed_at)
+                try:
+                    wait_s = self._verdict(limit, settings, failed_at)
+                except RankError as exc:
+                    raise await self._root_cause(exc) from None
                 if wait_s is None:
                     return
                 self.event.clear()
@@ -395,6 +402,22 @@ class Replay:
                 return None
         wait_s = settings.poll_interval
         return wait_s if limit is None else min(wait_s, limit.remaining())
+
+    async def _root_cause(self, exc: RankError) -> BaseException:
+        """``exc``, or the ``WorkerLostError`` of a worker lost around it in one of the
+        replay's groups (:func:`~daskwg.transport.failure.root_cause.find_lost_rank`)."""
+        errors = list(self.errors.values())
+        for transport in {id(e.transport): e.transport for e in self.entries}.values():
+            own = [
+                e
+                for e in errors
+                if isinstance(e, RankError) and e.address in {slot.address for slot in transport.ranks.slots}
+            ]
+            dead = await root_cause.find_lost_rank(transport.failures, own or [exc])
+            if dead is not None:
+                self._abandon("lost")
+                return root_cause.with_survivors(transport.failures.lost(dead), errors)
+        return exc
 
     def _check(self) -> None:
         """Raise at once for the scheduler gone or a worker taken as lost (its heartbeat)

@@ -22,10 +22,10 @@ from distributed.client import FuturesCancelledError
 
 from ...config import Settings
 from ...deadlines import Limit, current_limit
-from ...errors import CallTimeoutError, GroupBrokenError, RankError, WorkerGroupError
+from ...errors import CallTimeoutError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
 from ...wire.messages import Call
 from ..driver import GroupRanks
-from . import forensics
+from . import forensics, root_cause
 from .state import TRANSFER_ERRORS, FailureState, fresh_error, transfer_error
 
 __all__ = ["Waiter", "timeout_error"]
@@ -154,7 +154,9 @@ class Waiter:
             failed = [f for f in futures if self.status(f) in ("error", "cancelled")]
             pending = [f for f in futures if not self.done(f)]
             if failed:
-                exc = self.future_error(failed[0], method_name)
+                exc = self._root_cause(
+                    self.future_error(failed[0], method_name), [f for f in futures if not self.done(f)]
+                )
                 if pending and isinstance(exc, RankError):
                     self.failures.unsettle(
                         settings.rank_failure_grace if grace is None else grace,
@@ -198,6 +200,23 @@ class Waiter:
                 self.wait_first(pending, max(wait_s, 0.001), every=True)
             except (TimeoutError, asyncio.TimeoutError, FuturesCancelledError):
                 pass  # a cancelled future is reported by the next round
+
+    def _root_cause(self, exc: BaseException, pending: list) -> BaseException:
+        """``exc``, or the ``WorkerLostError`` of a worker of the group lost around it
+        (:func:`~daskwg.transport.failure.root_cause.find_lost_rank`), carrying ``exc``."""
+        if isinstance(exc, WorkerLostError) or not isinstance(exc, RankError):
+            return exc
+        client = self.ranks.client
+        dead = client.sync(root_cause.find_lost_rank, self.failures, [exc])
+        if dead is None:
+            return exc
+        running = [
+            (r, _Done(self, f))
+            for r, f in zip(map(self.rank_of, pending), pending)
+            if r is not None and r != dead
+        ]
+        self.failures.mark_stuck(exc.method, running)
+        return root_cause.with_survivors(self.failures.lost(dead), [exc])
 
     def wait_first(self, futures: list[Future], timeout: float, *, every: bool = False) -> None:
         """Wait up to ``timeout`` seconds for the first of ``futures`` to finish;

@@ -1,0 +1,344 @@
+"""Changing a group's membership while its surviving ranks keep their processes and state:
+:func:`heal_group` (``WorkerGroup.heal()``) and :func:`resize_group` (``WorkerGroup.resize(n)``).
+
+A heal replaces the ranks whose workers were lost (and ranks still stuck in the call that
+broke the group after ``daskwg.rank-failure-grace``: a thread cannot be interrupted, so
+their workers are restarted through their Nannies, or, without one, the ranks move to
+other workers) on free workers of the cluster; a resize adds ranks on free workers or
+destroys the highest ones. Either way, in three steps:
+
+1. the surviving ranks *rejoin* (the ``__rejoin__`` life-cycle call): each takes the new
+   rendezvous (``MASTER_ADDR`` = rank 0's host, a fresh ``MASTER_PORT``, the new
+   ``WORLD_SIZE``), its Worker attributes follow, and the torch default process group its
+   group initialised there is destroyed, so that a new ``init_process_group`` works;
+2. the new ranks are built (``__init__`` with the group's ``ClassWithInitArgs``), and the
+   removed ones destroyed (``__del__``);
+3. ``Worker.on_membership_change(event)`` runs on every rank at once (one blocking call),
+   so that ranks can rendezvous again in it (``init_process_group``).
+
+A *free* worker hosts no rank of any group the scheduler knows of (``wire.records``),
+is not lost and is not busy with a call this driver abandoned; a worker its Nanny has
+just restarted is a new process and is free. A group built on a ``ResourcePool`` takes
+free workers of its pool first, then other matching ones. Where too few are free, the
+heal or resize waits for workers to join, up to its ``timeout``, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import fire_and_forget
+
+from ..config import Settings
+from ..deadlines import deadline
+from ..errors import GroupBrokenError, WorkerGroupError, WorldSizeError
+from ..transport import CallFuture, GroupTransport
+from ..wire import records
+from ..worker import MembershipChange
+from .install import check_versions
+from .pool import ResourcePool, WorkerSlot
+from .restart import restart_workers
+
+__all__ = ["MembershipReport", "heal_group", "resize_group", "DEFAULT_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds ``heal()``/``resize()`` wait for free workers when no ``timeout`` is given.
+DEFAULT_TIMEOUT = 120.0
+
+#: Seconds between looks for free workers while waiting for them.
+_POLL = 0.2
+
+
+@dataclass(frozen=True)
+class MembershipReport:
+    """What a ``heal()`` or ``resize()`` did.
+
+    Attributes:
+        kind: ``"heal"`` or ``"resize"``.
+        moved: rank -> ``(old worker address or None for a new rank, new worker address)``
+            for every rank built anew.
+        removed: ranks destroyed (a resize down).
+        old_world_size, new_world_size: the group's size before and after.
+        master_addr, master_port: the new rendezvous every rank sees.
+        seconds: wall-clock seconds it took.
+        event: the :class:`~daskwg.worker.MembershipChange` the ranks got.
+    """
+
+    kind: str
+    moved: dict = field(default_factory=dict)
+    removed: tuple = ()
+    old_world_size: int = 0
+    new_world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    seconds: float = 0.0
+    event: MembershipChange | None = None
+
+    def __str__(self) -> str:
+        moves = ", ".join(f"rank {r}: {a or 'new'} -> {b}" for r, (a, b) in sorted(self.moved.items()))
+        removed = f"; removed ranks {list(self.removed)}" if self.removed else ""
+        return (
+            f"{self.kind} in {self.seconds:.2f} s: world size {self.old_world_size} -> {self.new_world_size}; "
+            f"{moves or 'no rank moved'}{removed}; rendezvous {self.master_addr}:{self.master_port}"
+        )
+
+
+def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
+    """``wg.heal(timeout)``: see :meth:`daskwg.WorkerGroup.heal`."""
+    t0 = time.monotonic()
+    _check_changeable(wg, "heal")
+    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    transport, slots = wg._transport, list(wg._slots)
+    driver = transport.driver
+    transport.settle()
+    lost = [r for r, s in enumerate(slots) if s.server_id in driver.lost]
+    stuck = _stuck_ranks(wg, [r for r in range(len(slots)) if r not in lost])
+    if not lost and not stuck and transport.broken is None:
+        logger.info("group %s: heal() found nothing to heal", wg._name)
+        return MembershipReport("heal", old_world_size=wg.world_size, new_world_size=wg.world_size)
+    replaced: dict[int, WorkerSlot] = {}
+    restartable = [r for r in stuck if slots[r].nanny is not None]
+    if restartable:
+        logger.warning(
+            "group %s: rank(s) %s are still stuck in the call that broke the group; restarting their workers "
+            "through their Nannies",
+            wg._name,
+            restartable,
+        )
+        fresh = restart_workers(wg._client, [slots[r] for r in restartable], driver.lost, wg._name, limit)
+        replaced.update(zip(restartable, fresh))
+    left_out = [r for r in stuck if r not in replaced]
+    if left_out:
+        _destroy_later(wg, left_out)
+    todo = [r for r in lost + left_out if r not in replaced]
+    keep = [s for r, s in enumerate(slots) if r not in todo]
+    replaced.update(
+        zip(todo, _free_workers(wg, len(todo), keep, limit - (time.monotonic() - t0), "heal", todo))
+    )
+    new_slots = [replaced.get(r, s) for r, s in enumerate(slots)]
+    moved = {r: (slots[r].address, new_slots[r].address) for r in sorted(replaced)}
+    report = _change(wg, "heal", new_slots, sorted(replaced), moved, (), t0)
+    logger.warning("group %s: %s", wg._name, report)
+    return report
+
+
+def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipReport:
+    """``wg.resize(world_size, timeout)``: see :meth:`daskwg.WorkerGroup.resize`."""
+    t0 = time.monotonic()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"resize() takes a world size >= 1, got {world_size!r}")
+    _check_changeable(wg, "resize")
+    wg._transport.settle()
+    if wg._transport.broken is not None:
+        raise GroupBrokenError(
+            f"group {wg._name!r} is broken ({wg._transport.broken}); wg.heal() it first, then resize it"
+        )
+    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    slots, old = list(wg._slots), wg.world_size
+    if world_size == old:
+        return MembershipReport("resize", old_world_size=old, new_world_size=old)
+    if world_size > old:
+        new = list(range(old, world_size))
+        added = _free_workers(wg, len(new), slots, limit, "resize", new)
+        new_slots = slots + list(added)
+        moved = {r: (None, s.address) for r, s in zip(new, added)}
+        report = _change(wg, "resize", new_slots, new, moved, (), t0)
+    else:
+        removed = tuple(range(world_size, old))
+        report = _change(wg, "resize", slots[:world_size], [], {}, removed, t0, old_slots=slots)
+    logger.info("group %s: %s", wg._name, report)
+    return report
+
+
+# ---- the steps -----------------------------------------------------------------------------
+
+
+def _change(
+    wg: Any,
+    kind: str,
+    new_slots: list[WorkerSlot],
+    new_ranks: list[int],
+    moved: dict,
+    removed: tuple,
+    t0: float,
+    old_slots: list[WorkerSlot] | None = None,
+) -> MembershipReport:
+    """Make ``new_slots`` the group's ranks: rejoin the kept ones, build ``new_ranks``,
+    destroy ``removed`` (ranks of ``old_slots``), run the hook everywhere."""
+    client, old_world = wg._client, wg.world_size
+    old_transport = wg._transport
+    check_versions(client, [new_slots[r] for r in new_ranks])
+    if removed:
+        _destroy(wg, old_transport, list(removed))
+    old_transport.close()
+    wg._slots = list(new_slots)
+    wg._transport = GroupTransport(
+        client, wg._slots, wg._name, wg._group_id, wg._owner, detached=wg._detached
+    )
+    wg._transports[:] = [wg._transport]
+    wg._dispatch_info.clear()
+    wg._collect_info.clear()
+    # A fresh port: the survivors' old rendezvous (rank 0's TCPStore) may still hold the old one.
+    wg._master_addr = wg._slots[0].host
+    wg._master_port = client.sync(wg._transport.reserve_port, None)
+    event = MembershipChange(
+        kind=kind,
+        old_world_size=old_world,
+        new_world_size=wg.world_size,
+        new_ranks=tuple(new_ranks),
+        removed_ranks=tuple(removed),
+        master_addr=wg._master_addr,
+        master_port=wg._master_port,
+    )
+    payloads = wg._rank_payloads()
+    kept = [r for r in range(wg.world_size) if r not in new_ranks]
+    settings = Settings.current()
+    if kept:
+        rejoin = [{"env": payloads[r]["env"], "world_size": wg.world_size} for r in kept]
+        wg._send("__rejoin__", kept, rejoin, blocking=True, raw_payload=True, check=False)
+    if new_ranks:
+        wg._send(
+            "__init__",
+            new_ranks,
+            [payloads[r] for r in new_ranks],
+            blocking=True,
+            raw_payload=True,
+            settle=settings.rank_failure_grace,
+        )
+    if hasattr(wg._cls, "on_membership_change"):
+        ranks = list(range(wg.world_size))
+        wg._send("on_membership_change", ranks, [((event,), {})] * len(ranks), blocking=True)
+    wg._publish()
+    return MembershipReport(
+        kind,
+        moved,
+        removed,
+        old_world,
+        wg.world_size,
+        wg._master_addr,
+        wg._master_port,
+        time.monotonic() - t0,
+        event,
+    )
+
+
+def _destroy(wg: Any, transport: GroupTransport, ranks: list[int]) -> None:
+    """Destroy ``ranks`` of the group (a resize down), bounded by ``daskwg.shutdown-timeout``."""
+    with deadline(Settings.current().shutdown_timeout):
+        transport.send("__del__", ranks, [((), {})] * len(ranks), blocking=True, check=False, settle=0.0)
+
+
+def _destroy_later(wg: Any, ranks: list[int]) -> None:
+    """Queue the destruction of ranks left out of a heal (stuck, on workers without a
+    Nanny): each ends its object when the call it is stuck in returns."""
+    logger.warning(
+        "group %s: rank(s) %s are stuck in the call that broke the group on worker(s) without a Nanny %s; "
+        "they are left out (their objects are destroyed when that call ends) and moved to free workers",
+        wg._name,
+        ranks,
+        [wg._slots[r].address for r in ranks],
+    )
+    try:
+        futures = wg._transport.send("__del__", ranks, [((), {})] * len(ranks), blocking=False, check=False)
+        fire_and_forget([f for f in futures if not isinstance(f, CallFuture)])
+    except Exception as exc:  # noqa: BLE001 - best effort: the heal goes on without them
+        logger.info("group %s: could not queue the destruction of ranks %s: %s", wg._name, ranks, exc)
+
+
+def _stuck_ranks(wg: Any, alive: list[int]) -> list[int]:
+    """Ranks of ``alive`` still running the call that broke the group after
+    ``daskwg.rank-failure-grace`` seconds (given from now, for a call that just failed)."""
+    transport = wg._transport
+    end = time.monotonic() + Settings.current().rank_failure_grace
+    while True:
+        busy = [r for r in alive if transport.busy_call(wg._slots[r]) is not None]
+        if not busy or time.monotonic() >= end:
+            return busy
+        time.sleep(0.02)
+
+
+def _free_workers(
+    wg: Any, n: int, keep: Sequence[WorkerSlot], timeout: float, what: str, ranks: list[int]
+) -> list[WorkerSlot]:
+    """``n`` free workers for ``ranks``, the group's pool's first; waits for them up to
+    ``timeout`` seconds, saying so.
+
+    Raises:
+        WorldSizeError: fewer than ``n`` free workers within ``timeout``.
+    """
+    if n == 0:
+        return []
+    end = time.monotonic() + max(timeout, 0.0)
+    said = False
+    while True:
+        free = _free_now(wg, keep)
+        if len(free) >= n:
+            return free[:n]
+        if time.monotonic() >= end:
+            raise WorldSizeError(
+                f"{what}() of group {wg._name!r} needs {n} free worker(s) for rank(s) {ranks} and found "
+                f"{len(free)} within {timeout:g} s{_wanted(wg)}; every other worker hosts a rank. Add workers "
+                "(cluster.scale(...), dask worker <scheduler>), shut down another group, or call "
+                f"{what}() again with a longer timeout"
+            )
+        if not said:
+            logger.warning(
+                "group %s: %s() waits up to %.0f s for %d free worker(s) for rank(s) %s (%d free now%s)",
+                wg._name,
+                what,
+                max(end - time.monotonic(), 0.0),
+                n,
+                ranks,
+                len(free),
+                _wanted(wg),
+            )
+            said = True
+        time.sleep(_POLL)
+
+
+def _wanted(wg: Any) -> str:
+    pool_slots, resources = wg._placement
+    parts = []
+    if resources:
+        parts.append(f"offering {resources}")
+    if pool_slots:
+        parts.append(f"preferably from its pool {[s.address for s in pool_slots]}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _free_now(wg: Any, keep: Sequence[WorkerSlot]) -> list[WorkerSlot]:
+    """The free workers now, in the design's order, the group's pool's first."""
+    client, driver = wg._client, wg._transport.driver
+    pool_slots, resources = wg._placement
+    try:
+        matching = ResourcePool(client, None, None, dict(resources) if resources else None).slots
+    except (ValueError, WorldSizeError, OSError):
+        return []
+    taken = {s.server_id for s in keep}
+    for record in (client.get_metadata([records.ROOT], default=None) or {}).values():
+        if record:
+            taken.update(record.get("server_ids", ()))
+    free = [
+        s
+        for s in matching
+        if s.server_id not in taken and s.server_id not in driver.lost and driver.busy_call(s) is None
+    ]
+    if pool_slots:
+        nannies = {s.nanny for s in pool_slots if s.nanny} | {s.address for s in pool_slots}
+        free.sort(key=lambda s: s.nanny not in nannies and s.address not in nannies)
+    return free
+
+
+def _check_changeable(wg: Any, what: str) -> None:
+    if wg._closed:
+        raise GroupBrokenError(f"group {wg._name!r} was shut down; build a new one")
+    if wg._cls_with_init is None:
+        raise WorkerGroupError(
+            f"group {wg._name!r} was attached, not built by this driver: its init arguments are not known "
+            f"here; {what}() it from the driver that built it"
+        )

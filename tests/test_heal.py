@@ -1,0 +1,167 @@
+"""Self-healing and elastic groups on real worker processes: the lost rank's error wins over
+its peers' echoes, ``wg.heal()`` replaces lost ranks and keeps the survivors, ``wg.resize(n)``
+grows and shrinks a group. Measured times are printed, never asserted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+from conftest import process_cluster, wait_for_workers
+from distributed import Client
+from heal_workers import HealWorker
+
+import daskwg
+from daskwg import WorkerGroup, WorkerLostError, WorldSizeError
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Four worker processes shared by this module's tests; a killed worker's Nanny
+    restarts it, so each test starts from four workers again."""
+    with process_cluster(4) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as client:
+        wait_for_workers(client, 4)
+        yield client
+
+
+def _group(client: Client, world_size: int) -> WorkerGroup:
+    wg = WorkerGroup(client, HealWorker, world_size=world_size)
+    assert wg.init_pg() == [True] * world_size
+    return wg
+
+
+def _kill(wg: WorkerGroup, rank: int) -> None:
+    os.kill(wg.pid()[rank], signal.SIGKILL)
+
+
+# ---- the root cause wins ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world_size", "victim"), [(3, 0), (3, 1), (3, 2), (4, 3)])
+def test_a_call_right_after_a_sigkill_raises_the_dead_ranks_worker_lost_error(client, world_size, victim):
+    wg = _group(client, world_size)
+    try:
+        assert wg.all_reduce()[0] == world_size * (world_size + 1) / 2
+        _kill(wg, victim)
+        with pytest.raises(WorkerLostError) as info:
+            wg.all_reduce()
+        assert info.value.rank == victim, info.value
+        assert all(e.rank != victim for e in info.value.survivor_errors)
+        if info.value.survivor_errors:
+            assert info.value.__context__ is info.value.survivor_errors[0]
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_non_blocking_call_right_after_a_sigkill_raises_the_dead_ranks_worker_lost_error(client):
+    wg = _group(client, 3)
+    try:
+        wg.all_reduce()
+        _kill(wg, 1)
+        with pytest.raises(WorkerLostError) as info:
+            daskwg.get(wg.all_reduce_later())
+        assert info.value.rank == 1, info.value
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_step_plan_replayed_right_after_a_sigkill_raises_the_dead_ranks_worker_lost_error(client):
+    wg = _group(client, 3)
+    try:
+        with daskwg.plan("reduce") as step:
+            step.output(wg.all_reduce())
+        step.run()
+        step.run()
+        _kill(wg, 2)
+        with pytest.raises(WorkerLostError) as info:
+            step.run()
+        assert info.value.rank == 2, info.value
+    finally:
+        wg.shutdown()
+
+
+# ---- heal ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_heal_keeps_the_survivors_processes_and_state_and_an_all_reduce_spans_every_rank(client, figure):
+    wg = _group(client, 3)
+    try:
+        wg.set_state("kept")
+        pids = wg.pid()
+        old_port = wg.master_addr_port[1]
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            wg.all_reduce()
+        report = wg.heal(timeout=60)
+        assert wg.all_reduce() == [6.0, 6.0, 6.0]  # rank 1, the replacement, takes part
+        figure(f"[heal] SIGKILL -> healed group answering an all_reduce: {time.monotonic() - t0:.2f} s")
+        new_pids = wg.pid()
+        assert new_pids[0] == pids[0] and new_pids[2] == pids[2] and new_pids[1] != pids[1]
+        assert wg.get_state() == ["kept", None, "kept"]
+        assert sorted(report.moved) == [1] and report.moved[1][1] == wg.workers[1]
+        addr, port = wg.master_addr_port
+        assert port != old_port
+        assert wg.place() == [("t", r, 3, addr, str(port)) for r in range(3)]
+        assert wg.membership_events() == [[("heal", 3, 3, (1,))]] * 3
+        assert not wg.is_broken
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_heal_with_no_free_worker_waits_and_says_so_until_its_timeout(caplog):
+    with process_cluster(3) as cluster, Client(cluster) as client:
+        wg = _group(client, 3)
+        _kill(wg, 1)
+        with pytest.raises(WorkerLostError):
+            wg.all_reduce()
+        wait_for_workers(client, 3)  # the Nanny restarted the dead worker: take it
+        survivors = {wg.workers[0], wg.workers[2]}
+        restarted = [a for a in client.scheduler_info(n_workers=-1)["workers"] if a not in survivors]
+        blocker = WorkerGroup(client, HealWorker, workers=restarted)
+        with caplog.at_level(logging.WARNING, logger="daskwg.groups.heal"):
+            with pytest.raises(WorldSizeError, match=r"needs 1 free worker\(s\) for rank\(s\) \[1\]"):
+                wg.heal(timeout=1.0)
+        assert "waits up to" in caplog.text
+        blocker.shutdown()
+        wg.heal(timeout=60)
+        assert wg.all_reduce() == [6.0, 6.0, 6.0]
+        wg.shutdown()
+
+
+# ---- resize -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_resize_up_then_down_keeps_the_kept_ranks_processes_and_state(client):
+    wg = _group(client, 2)
+    try:
+        wg.set_state("kept")
+        pids = wg.pid()
+        wg.resize(3, timeout=60)
+        assert wg.world_size == 3
+        assert wg.all_reduce() == [6.0, 6.0, 6.0]
+        assert wg.pid()[:2] == pids
+        assert wg.get_state() == ["kept", "kept", None]
+        assert wg.membership_events()[0] == [("resize", 2, 3, (2,))]
+        wg.resize(2, timeout=60)
+        assert wg.world_size == 2
+        assert wg.all_reduce() == [3.0, 3.0]
+        assert wg.pid() == pids and wg.get_state() == ["kept", "kept"]
+        assert [p[2] for p in wg.place()] == [2, 2]
+    finally:
+        wg.shutdown()
