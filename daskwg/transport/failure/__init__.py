@@ -7,5 +7,7 @@
 * ``calls``: the calls the driver still has to account for (stuck, abandoned, in flight).
 * ``heartbeat``: TCP keepalive to every worker of the driver's groups.
 * ``waiting``: waits on task-path futures, and the deadline report of any wait.
+* ``root_cause``: which error a failed call raises when a worker of its group died with it
+  (the dead rank's ``WorkerLostError``, not a survivor's peer error).
 * ``forensics``: what the ranks are doing (``wg.status()``, ``CallTimeoutError``).
 """
