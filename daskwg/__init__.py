@@ -20,6 +20,7 @@ from .dispatch.register import (
 )
 from .errors import (
     BatchDimsError,
+    CallCancelledError,
     CallTimeoutError,
     ConcatError,
     ConflictError,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchDimsError",
+    "CallCancelledError",
     "CallTimeoutError",
     "ClassWithInitArgs",
     "CollectiveGroup",
