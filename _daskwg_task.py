@@ -20,7 +20,7 @@ import inspect
 import signal
 import threading
 
-__all__ = ["run", "dask_setup"]
+__all__ = ["run", "finalize", "dask_setup"]
 
 
 async def run(target: str, *args):
@@ -52,3 +52,15 @@ def dask_setup(worker) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def finalize(parts, target: str, *args):
+    """``fn(parts, *args)`` for the function ``target`` names: the task that finishes a
+    daskwg object computed by Dask (a ``DataProtoFuture``'s ``__dask_postcompute__``),
+    ``parts`` being the values of its keys.
+
+    Raises:
+        ImportError, AttributeError: ``target`` does not name a function here.
+    """
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(parts, *args)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs
     )
     from .errors import (
         BatchDimsError,
+        CallCancelledError,
         CallTimeoutError,
         ConcatError,
         ConflictError,
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchDimsError",
+    "CallCancelledError",
     "CallTimeoutError",
     "ClassWithInitArgs",
     "CollectiveGroup",
@@ -116,6 +118,7 @@ _NAMES_BY_MODULE: dict[str, tuple[str, ...]] = {
     ),
     ".errors": (
         "BatchDimsError",
+        "CallCancelledError",
         "CallTimeoutError",
         "ConcatError",
         "ConflictError",

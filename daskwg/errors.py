@@ -1,8 +1,29 @@
-"""The exceptions daskwg raises: one small hierarchy rooted at :class:`WorkerGroupError`."""
+"""The exceptions daskwg raises: one small hierarchy rooted at :class:`WorkerGroupError`.
+
+Where a class also derives from a standard exception, ``except`` clauses written for that
+one catch it too (a ``CallTimeoutError`` is a ``TimeoutError``, ...)::
+
+    WorkerGroupError
+    ├── DispatchError (ValueError)       bad arguments, raised before any rank runs
+    ├── WorldSizeError (ValueError)      more ranks asked for than workers
+    ├── RankError                        a rank raised in the method
+    ├── WorkerLostError                  a rank's worker died or left
+    ├── GroupBrokenError                 a call on a broken or shut down group
+    ├── BatchDimsError (ValueError, AssertionError)
+    ├── ConflictError (ValueError, AssertionError)
+    ├── ConcatError (ValueError)         per-rank outputs that cannot be concatenated
+    │   └── MetaInfoConflictError (ConflictError)
+    ├── WorkerPausedError                a task-path call whose worker stayed paused
+    ├── CallTimeoutError (TimeoutError)  a call or wait passed its deadline
+    ├── CallCancelledError (concurrent.futures.CancelledError)
+    │                                    the future of the call was cancelled
+    └── VersionMismatchError             driver and worker versions differ
+"""
 
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import CancelledError
 
 __all__ = [
     "WorkerGroupError",
@@ -17,6 +38,7 @@ __all__ = [
     "BatchDimsError",
     "WorkerPausedError",
     "CallTimeoutError",
+    "CallCancelledError",
     "VersionMismatchError",
 ]
 
@@ -352,6 +374,44 @@ class CallTimeoutError(WorkerGroupError, TimeoutError):
 
     def __reduce__(self):
         return (type(self), (self.method, self.timeout, self.ranks, self.stacks, self.message))
+
+
+class CallCancelledError(WorkerGroupError, CancelledError):
+    """The call was cancelled (``DataProtoFuture.cancel()``, ``client.cancel``,
+    ``Future.cancel()``): reading its result raises this at once, as reading a cancelled
+    Dask future or Ray object ref raises theirs; the group stays usable.
+
+    A ``concurrent.futures.CancelledError`` too, as Dask's ``FutureCancelledError`` is, so
+    ``except CancelledError`` written for Dask catches it. What became of the call on its
+    rank: one still waiting for its turn never ran there; a running ``async def`` method
+    got ``asyncio.CancelledError`` at its next ``await``; a running plain method ran to its
+    end (Python cannot stop a thread) and its result was dropped.
+
+    Attributes:
+        method: the method called (``str``).
+        rank: the rank whose result was read (``int``; ``-1`` when unknown).
+        key: the Dask key of that result (``str`` or ``None``).
+        reason: why it was cancelled, as Dask's ``Client.cancel(..., reason=)`` gives it
+            (``str`` or ``None``).
+    """
+
+    def __init__(self, method: str, rank: int = -1, key: str | None = None, reason: str | None = None):
+        self.method = method
+        self.rank = rank
+        self.key = key
+        self.reason = reason
+        super().__init__(method, rank, key, reason)
+
+    def __str__(self) -> str:
+        where = f" on rank {self.rank}" if self.rank >= 0 else ""
+        why = f" ({self.reason})" if self.reason else ""
+        return (
+            f"the call of {self.method!r}{where} was cancelled{why}: its result is gone; "
+            "the group stays usable, call the method again for a new result"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.rank, self.key, self.reason))
 
 
 class VersionMismatchError(WorkerGroupError):

@@ -2,6 +2,8 @@
 
 * ``future``: :class:`DataProtoFuture`, its lazy algebra (``union``, ``select``,
   ``repeat``, ``rename``, ``chunk``, ``concat``) and the row plan it builds.
+* ``collection``: a ``DataProtoFuture`` as a Dask collection of its parts (``client.cancel``,
+  ``distributed.wait``, ``dask.compute``), and cancelling its parts.
 * ``pieces``: how a batch is cut into one piece per rank, padded as ``DP_COMPUTE_PROTO``
   pads it.
 

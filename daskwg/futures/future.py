@@ -13,11 +13,11 @@ a group call, each consuming rank evaluates the plan for its own rows only: it m
 its row range back through the operations to the rows of the parts it needs and
 fetches just those rows from the workers holding them (``daskwg.plugin.rows``).
 :meth:`DataProtoFuture.get` evaluates the same plan in the driver.
+A future is also a Dask collection of its parts (``daskwg.futures.collection``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -31,6 +31,7 @@ from tensordict import TensorDictBase
 from .. import foreign
 from ..errors import ConcatError
 from ..protocol import DataProto, concat_tensordicts, unpad_rows
+from .collection import DaskCollection, cancel_futures, gather_parts
 from .pieces import PAD, STRIP, chunk_bounds, piece_rows, rows_after, trailing_padding
 
 __all__ = [
@@ -117,22 +118,6 @@ def materialize(
     return out
 
 
-def _default_gather(futures: list) -> list:
-    # Each future's own result: a non-blocking call's comes straight from its worker
-    # (daskwg's CallFuture), not through the scheduler as client.gather's would.
-    futures = list(futures)
-
-    async def one(future: Any) -> Any:
-        if type(future) is Future:  # a plain Dask future: from the worker holding it too
-            return (await future.client._gather([future], direct=True))[0]
-        return await future._result()
-
-    async def results() -> list:
-        return list(await asyncio.gather(*map(one, futures)))
-
-    return futures[0].client.sync(results)
-
-
 def _as_key_list(keys: Any, name: str) -> list[str] | None:
     if keys is None:
         return None
@@ -144,7 +129,7 @@ def _as_key_list(keys: Any, name: str) -> list[str] | None:
 
 
 @dataclass(frozen=True)
-class DataProtoFuture:
+class DataProtoFuture(DaskCollection):
     """A ``DataProto`` (or TensorDict) computed by a group and still held by its ranks.
 
     Attributes:
@@ -170,7 +155,7 @@ class DataProtoFuture:
     collect_fn: Callable[[list], Any] = concat_parts
     dispatch_fn: Callable[[Any], Any] | None = None
     pad_size: int = 0
-    gather: Callable[[list], list] = _default_gather
+    gather: Callable[[list], list] = gather_parts
     method: str | None = None
     ranks: Sequence[int] | None = None
     ops: tuple = ()
@@ -432,27 +417,42 @@ class DataProtoFuture:
             ranks=self.ranks,
         )
 
-    def get(self) -> Any:
-        """Materialise the value in the driver.
-
-        Raises the producing call's error (``RankError``, ``WorkerLostError``) if it
-        failed; [`ConcatError`][daskwg.ConcatError] naming the method, the field and
-        each rank when the ranks' outputs cannot be concatenated; ``KeyError``/``ValueError``
-        as the eager ``DataProto`` operations would.
-        """
+    def _finish(self) -> tuple[Callable[[list], Any], list]:
+        """``(parts' values -> value, the parts)`` (``get()``, Dask's compute); ``ValueError``
+        for operations on a future whose parts are not simply concatenated."""
         if not (self.ops or self.rows is not None):
-            return self.transform(self.gather(list(self.futures)))
+            return self.transform, list(self.futures)
         if not self.row_addressable:
             raise ValueError(
                 "union/select/repeat/rename/chunk need a DataProtoFuture whose parts are concatenated "
                 "(the default collect_fn) and no dispatch_fn"
             )
         plan, parts = self.plan()
-        return _evaluate_values(plan, self.gather(parts))
+        return partial(_evaluate_values, plan), parts
+
+    def get(self) -> Any:
+        """Materialise the value in the driver.
+
+        Raises the producing call's error (``RankError``, ``WorkerLostError``, at once
+        [`CallCancelledError`][daskwg.CallCancelledError]); [`ConcatError`][daskwg.ConcatError]
+        naming the method, the field and each rank when the ranks' outputs cannot be
+        concatenated; ``KeyError``/``ValueError`` as the eager ``DataProto`` operations would.
+        """
+        finish, parts = self._finish()
+        return finish(self.gather(parts))
 
     def done(self) -> bool:
         """Whether every producing rank has finished."""
         return all(f.done() for f in self.futures)
+
+    def cancel(self, reason: str | None = None, msg: str | None = None) -> None:
+        """Cancel the calls that produce it (``client.cancel(fut)``, and ``ray.cancel`` of actor
+        tasks): a queued call never runs, a running ``async def`` one gets ``CancelledError``
+        at its next ``await``, a running plain one runs to its end and its result is dropped
+        (see [cancelling calls](futures.md#cancelling-calls)); returns once every rank's worker
+        answered. ``get()`` then raises [`CallCancelledError`][daskwg.CallCancelledError].
+        """
+        cancel_futures(self.plan()[1], reason=reason, msg=msg)
 
 
 # ----------------------------------------------------------------------- plans

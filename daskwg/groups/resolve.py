@@ -18,7 +18,7 @@ from distributed import Future, wait
 
 from ..config import Settings
 from ..deadlines import current_limit, deadline
-from ..errors import CallTimeoutError, WorkerGroupError
+from ..errors import CallCancelledError, CallTimeoutError, WorkerGroupError
 from ..futures.future import DataProtoFuture
 from ..transport import Driver
 from ..transport.owned import FINISHED, PENDING
@@ -47,6 +47,8 @@ def get(refs: Any) -> Any:
         WorkerLostError: the worker of that rank died or left.
         CallTimeoutError: the active ``daskwg.deadline`` (or ``daskwg.call-timeout``)
             passed first.
+        CallCancelledError: the call that makes a future was cancelled
+            (``DataProtoFuture.cancel()``, ``client.cancel``), at once.
         WorkerGroupError: a future not made by a group was cancelled.
     """
     futures: list[Future] = []
@@ -165,6 +167,8 @@ def _gather_plain(futures: list[Future]) -> list:
                 break
         # direct: from the workers holding the values, never forwarded by the scheduler.
         return client.gather(futures, direct=True)
+    except CallCancelledError:  # a group call the program cancelled (its group is gone now)
+        raise
     except CancelledError as exc:  # Dask's FutureCancelledError and FuturesCancelledError
         raise WorkerGroupError(
             f"a future daskwg.get waited for was cancelled ({type(exc).__name__}: {exc}); its result "

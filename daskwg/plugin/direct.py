@@ -21,7 +21,7 @@ from typing import Any
 
 from distributed.protocol import to_serialize
 
-from ..errors import GroupBrokenError
+from ..errors import CallCancelledError
 from ..serialization import pickling as serialization
 from ..serialization.parts import message_part, unpack, unpacked_part
 from ..wire.messages import Call
@@ -161,15 +161,17 @@ class DirectCalls:
         host = self.host
         if cfut.cancelled():
             if key is not None:  # its future was cancelled before it ran
-                host.results.fail(key, GroupBrokenError(f"the call of {call.method!r} was cancelled"))
+                host.results.fail(key, CallCancelledError(call.method, call.rank, key))
             return ("cancelled", None, None, None)
         exc = cfut.exception()
         if exc is not None:
-            error = picklable(exc)
+            cancelled = host.calls.was_cancelled(call)
+            # A consumer of the result of an interrupted call reads why it is missing.
+            error = CallCancelledError(call.method, call.rank, key) if cancelled else picklable(exc)
             del exc
             if key is not None:
                 host.results.fail(key, error)
-            if host.calls.was_cancelled(call):
+            if cancelled:
                 host.calls.forget_cancelled(call)
                 return ("cancelled", None, None, None)
             return ("error", None, error, None)

@@ -217,7 +217,7 @@ class HostPlugin(WorkerPlugin):
         for seq in seqs:
             entry = self.calls.unfinished(session, seq)
             if entry is None:
-                self._sequencer.skip(session, seq)
+                self._sequencer.cancel(session, seq)
                 outcomes.append("skipped")
                 continue
             call, result = entry

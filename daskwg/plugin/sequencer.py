@@ -30,6 +30,8 @@ class _Session:
     next_seq: int = 0
     pending: dict = field(default_factory=dict)
     skipped: set = field(default_factory=set)
+    #: numbers cancelled before their call arrived: it is refused (cancelled) when it comes.
+    cancelled: set = field(default_factory=set)
 
 
 class Sequencer:
@@ -76,6 +78,11 @@ class Sequencer:
                 )
                 return result
             state = self._state(session)
+            if seq in state.cancelled:
+                # Its cancel overtook it (another connection): it never runs, its place is given up.
+                state.cancelled.discard(seq)
+                result.cancel()
+                return result
             if seq < state.next_seq or seq in state.pending:
                 result.set_exception(
                     RuntimeError(f"call {seq} of driver {session} arrived twice or after it was skipped")
@@ -105,6 +112,17 @@ class Sequencer:
         with self._lock:
             state = self._state(session)
             if seq >= state.next_seq and seq not in state.pending:
+                state.skipped.add(seq)
+                self._release(state)
+
+    def cancel(self, session: str, seq: int) -> None:
+        """Call ``seq`` of driver ``session`` was cancelled before it reached this worker:
+        its place is given up (later calls go on) and, unlike a :meth:`skip`, the call is
+        refused if it still comes (the cancel and the call travel on different connections)."""
+        with self._lock:
+            state = self._sessions.setdefault(session, _Session(session))
+            if seq >= state.next_seq and seq not in state.pending:
+                state.cancelled.add(seq)
                 state.skipped.add(seq)
                 self._release(state)
 

@@ -22,6 +22,8 @@ strictly in that order.
 * ``arguments``: futures among a call's arguments, and relayed broadcasts.
 * ``owned``: results the driver owns on the workers (what it knows of each future).
 * ``call_future``: :class:`CallFuture`, the Dask future of such a result.
+* ``gather``: ``client.gather`` of group-call futures read as ``daskwg.get`` reads them, without
+  a scheduler round trip.
 * ``frees``: dropping results on their workers, batched with the next call.
 * ``failure``: the failure model (one group's failure state, lost workers, heartbeats,
   waits, deadline reports and forensics).

@@ -7,12 +7,33 @@ these futures).
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any
 
 from distributed import Future
-from distributed.client import FutureState
+from distributed.client import FutureCancelledError, FutureState
 
-__all__ = ["CallFuture", "OwnedState"]
+from ..errors import CallCancelledError
+from ..futures.future import cancel_futures
+
+__all__ = ["CallFuture", "OwnedState", "CancelledCall"]
+
+
+class CancelledCall(CallCancelledError, FutureCancelledError):
+    """The error of a cancelled call's future: daskwg's :class:`~daskwg.CallCancelledError`,
+    and Dask's ``FutureCancelledError``, which Dask's own verbs (``distributed.wait``,
+    ``as_completed``, ``client.gather``) expect of every cancelled future."""
+
+    def __init__(
+        self, method: str, rank: int = -1, key: str | None = None, reason: str | None = None, msg: Any = None
+    ):
+        self.method, self.rank, self.key, self.reason, self.msg = method, rank, key, reason, msg
+        Exception.__init__(self, method, rank, key, reason)  # FutureCancelledError's takes other arguments
+
+    __str__ = CallCancelledError.__str__
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.rank, self.key, self.reason, self.msg))
 
 
 class OwnedState(FutureState):
@@ -21,7 +42,7 @@ class OwnedState(FutureState):
     for), and it tells :class:`Owned` when Dask cancels it (``future.cancel()``,
     ``client.cancel``, a restart) or releases it (the last future of the key was dropped)."""
 
-    __slots__ = ("owned", "_settled")
+    __slots__ = ("owned", "_settled", "told")
 
     #: the driver's ``daskwg.transport.owned.Owned``, which made it.
     owned: Any
@@ -30,6 +51,8 @@ class OwnedState(FutureState):
         super().__init__(key)
         self.owned = owned
         self._settled = asyncio.Event()
+        #: the ``daskwg_cancel`` request to the rank's worker once the call was cancelled.
+        self.told: asyncio.Future | None = None
 
     def done(self) -> bool:
         return self.status != "pending"
@@ -44,11 +67,21 @@ class OwnedState(FutureState):
         await self._settled.wait()
 
     def cancel(self, reason: Any = None, msg: Any = None) -> None:
-        super().cancel(reason, msg)
-        self._settled.set()
+        client = self.owned.client
         # Dask's _release_key calls this once the key's reference count is gone; any other
         # caller (Client._cancel, the scheduler's cancelled-keys) leaves it in place.
-        self.owned.on_cancel(self.key, released=self.key not in self.owned.client.refcount)
+        released = self.key not in client.refcount
+        # Client._cancel (client.cancel, Future.cancel, DataProtoFuture.cancel) takes the
+        # state out of client.futures first; a restart or the scheduler's cancelled-keys
+        # cancel it in place, and a release after the last reference went.
+        by_user = not released and client.futures.get(self.key) is not self
+        super().cancel(reason, msg)
+        if by_user:
+            rec = self.owned.records.get(self.key)
+            method, rank = (rec.call.method, rec.call.rank) if rec is not None else ("?", -1)
+            self.exception = CancelledCall(method, rank, self.key, reason, msg)
+        self._settled.set()
+        self.owned.on_cancel(self.key, released=released)
 
 
 class CallFuture(Future):
@@ -70,15 +103,23 @@ class CallFuture(Future):
             self._cleared = True
             state.owned.drop(self.key)
 
+    def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> None:
+        """Dask's ``Future.cancel``, returning once the rank's worker has taken the call off
+        its queue (it then never runs) or interrupted it (:func:`~daskwg.futures.future.cancel_futures`)."""
+        cancel_futures([self], reason=reason, msg=msg, **kwargs)
+
     def result(self, timeout: float | None = None) -> Any:
         """Dask's ``Future.result``: wait for the value and return it (raise the call's
         error). A result that came back with its reply is read here, without a hop to the
         client's loop and back (``Owned.fetch_inline``)."""
         state = self._state
-        if isinstance(state, OwnedState) and state.status == "finished" and self.key in state.owned.records:
-            values = state.owned.fetch_inline([self.key])
-            if values is not None:
-                return values[0]
+        if isinstance(state, OwnedState):
+            if state.status == "finished" and self.key in state.owned.records:
+                values = state.owned.fetch_inline([self.key])
+                if values is not None:
+                    return values[0]
+            elif isinstance(state.exception, CallCancelledError):
+                raise copy.copy(state.exception)  # at once; a copy keeps no frames of this read
         return super().result(timeout)
 
     def batch_rows(self) -> int | None:

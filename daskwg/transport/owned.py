@@ -11,9 +11,10 @@ Dask sees these futures as its own:
 
 * a future is ``finished`` (``future.done()``, ``future.status``) with its call's reply,
   and daskwg's own waits (:meth:`Owned.wait`: group calls, ``daskwg.get``,
-  ``DataProtoFuture.get()``) and :meth:`CallFuture.result` need nothing more;
+  ``DataProtoFuture.get()``), :meth:`CallFuture.result` and ``client.gather``
+  (``daskwg.transport.gather``) need nothing more;
 * once something waits for it through Dask (``distributed.wait``, ``as_completed``,
-  ``client.gather``, ``add_done_callback``), or it has lived for
+  ``add_done_callback``, ``dask.compute``), or it has lived for
   :data:`REGISTER_AFTER` seconds, the driver registers its key with the scheduler
   (``update_data``, as ``client.scatter`` does: the scheduler learns where the result is
   and its size, and never holds its bytes), so Dask's own gather, the dashboard's memory
@@ -22,8 +23,8 @@ Dask sees these futures as its own:
   never cost the scheduler anything: the driver drops them on their workers itself;
 * a failed call's future is ``error`` with the call's ``RankError`` at once;
 * ``future.cancel()`` reaches the rank (a queued call is skipped, an ``async def`` one
-  interrupted, as on the task path), and a future dropped before its result exists has the
-  result dropped on its worker when it comes.
+  interrupted), its error is a ``CallCancelledError``; a future dropped before its result
+  exists has the result dropped on its worker when it comes.
 
 Values come straight from the worker holding them (a ``fetch`` message on the reader's
 call stream to it), never through the scheduler: :meth:`Owned.fetch` (and
@@ -60,6 +61,7 @@ from ..wire import messages as wire
 from ..wire.messages import Call
 from .call_future import CallFuture, OwnedState
 from .frees import Frees
+from .gather import route_gather
 from .streams import CallStreams
 
 __all__ = ["Owned", "OwnedResult", "REGISTER_AFTER"]
@@ -137,6 +139,7 @@ class Owned:
         self._to_register: list[OwnedResult] = []
         self._young: collections.deque[tuple[float, str]] = collections.deque()  # (due, key)
         self._registering = False
+        route_gather(self)  # client.gather of these futures reads them as daskwg.get does
 
     # ---- creating (calling thread) ---------------------------------------------------
 
@@ -301,7 +304,7 @@ class Owned:
                 # A cancelled call never runs if it is still queued (an async one is
                 # interrupted): the rank's worker is told; dropping is not cancelling.
                 self._settle(rec, CANCELLED)
-                asyncio.ensure_future(
+                rec.state.told = asyncio.ensure_future(  # fut.cancel() waits for the answer
                     self._tell(rec.address, "daskwg_cancel", session=rec.call.session, seqs=[rec.call.seq])
                 )
             return  # settled by the reply: the result is dropped where it is
@@ -325,14 +328,9 @@ class Owned:
                 by_address: dict[str, list[OwnedResult]] = {}
                 for r in batch:
                     by_address.setdefault(r.address, []).append(r)
-                published: dict[str, int] = {}
-                for address, records in by_address.items():
-                    try:
-                        published.update(
-                            await client.rpc(address).daskwg_publish(keys=[r.key for r in records])
-                        )
-                    except Exception as exc:  # noqa: BLE001 - the worker is gone: reading them says so
-                        logger.debug("publishing %d results on %s failed: %s", len(records), address, exc)
+                published: dict[str, int] = {}  # every worker at once: one round trip
+                for answer in await asyncio.gather(*(self._publish(a, rs) for a, rs in by_address.items())):
+                    published.update(answer)
                 if published:
                     try:
                         await client.scheduler.update_data(
@@ -364,6 +362,13 @@ class Owned:
                     )
         finally:
             self._registering = False
+
+    async def _publish(self, address: str, records: list[OwnedResult]) -> dict[str, int]:
+        try:  # the results into the worker's Dask data: {key: bytes} of those it had
+            return await self.client.rpc(address).daskwg_publish(keys=[r.key for r in records])
+        except Exception as exc:  # noqa: BLE001 - the worker is gone: reading them says so
+            logger.debug("publishing %d results on %s failed: %s", len(records), address, exc)
+            return {}
 
     def drop(self, key: str) -> None:
         """A :class:`CallFuture` of ``key`` was released (any thread). The last reference to a

@@ -22,7 +22,14 @@ from distributed.client import FuturesCancelledError
 
 from ...config import Settings
 from ...deadlines import Limit, current_limit
-from ...errors import CallTimeoutError, GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
+from ...errors import (
+    CallCancelledError,
+    CallTimeoutError,
+    GroupBrokenError,
+    RankError,
+    WorkerGroupError,
+    WorkerLostError,
+)
 from ...wire.messages import Call
 from ..driver import GroupRanks
 from . import forensics, root_cause
@@ -354,6 +361,12 @@ class Waiter:
         if rec is not None and rec.status == "error":
             return fresh_error(rec.error)  # a copy, as below: no traceback cycle keeps futures
         if self.status(future) == "cancelled":
+            cancelled = getattr(future._state, "exception", None)
+            if isinstance(cancelled, CallCancelledError) and not (
+                rank is not None and self.ranks.is_lost(rank)
+            ):
+                # The program cancelled it (client.cancel, Future.cancel): no loss to wait for.
+                return CallCancelledError(cancelled.method, cancelled.rank, cancelled.key, cancelled.reason)
             if rank is not None:
                 self.failures.await_loss_news(rank)
             if self.ranks.client.status != "running":
