@@ -54,8 +54,10 @@ def deadline(seconds: float) -> Iterator[Limit]:
 
     Args:
         seconds: the budget, counted from entering the block (a positive number).
+
     Yields:
         the ``Limit`` in force.
+
     Raises:
         TypeError, ValueError: ``seconds`` is not a positive number.
 

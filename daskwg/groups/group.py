@@ -253,10 +253,12 @@ class WorkerGroup(BoundGroup):
 
         Args:
             prefix_set: role names of the ``create_colocated_worker_cls`` dict.
+
         Returns:
             role name → a group over the same ranks that binds that role's registered
             methods under their own names (``groups["actor"].add(data)``). Role groups
             own nothing: shut down this group to free the ranks.
+
         Raises:
             TypeError: this group's class is not a colocated worker.
             ValueError: an unknown role name.
@@ -375,6 +377,7 @@ class WorkerGroup(BoundGroup):
 
         Returns:
             a ``WorkerGroup`` on the same ranks (same workers, same objects, same state).
+
         Raises:
             ValueError: no detached group of that name exists.
             GroupBrokenError: one of its workers has left or restarted since.

@@ -212,9 +212,10 @@ def dumps(obj: Any, *, arguments: bool = False) -> Packed:
     Args:
         arguments: ``obj`` is a call's arguments, from which the futures the ranks resolve
             were taken out: any Dask future left in it raises :class:`NestedFutureError`.
+
     Raises:
         NestedFutureError: see ``arguments``.
-        whatever pickling raises for an object that cannot be pickled.
+        Exception: whatever pickling raises for an object that cannot be pickled.
     """
     if isinstance(obj, Packed):
         return obj
@@ -409,8 +410,8 @@ def pack(obj: Any) -> dict:
     arguments or a result; a :class:`Packed` as it is).
 
     Raises:
-        whatever pickling raises for an object that cannot be pickled (Dask's error log
-        of that failure is suppressed: the caller reports it).
+        Exception: whatever pickling raises for an object that cannot be pickled (Dask's
+            error log of that failure is suppressed: the caller reports it).
     """
     return message_part(dumps(obj))
 

@@ -176,6 +176,7 @@ class GroupTransport:
                 ``daskwg.rank-failure-grace``).
             timeout: the method's ``@register(timeout=...)``; the wait's deadline is
                 :func:`daskwg.deadlines.current_limit` of it.
+
         Raises:
             DispatchError: an argument cannot be pickled (before anything is sent).
             RankError, WorkerLostError, GroupBrokenError: as the call fails.
