@@ -21,7 +21,7 @@ from distributed import Future
 from ..dispatch.calling import collect, cut
 from ..dispatch.modes import dispatch_all_to_all, dispatch_one_to_all
 from ..dispatch.register import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
-from ..plans import plan as plans
+from ..plans.plan import recording
 
 __all__ = ["BoundGroup", "split_or_broadcast"]
 
@@ -122,7 +122,7 @@ class BoundGroup:
     def _call_registered(
         self, method_name: str, registered: RegisteredMethod, *args: Any, **kwargs: Any
     ) -> Any:
-        step = plans.recording()
+        step = recording()
         if step is not None:  # inside daskwg.plan(): recorded, run when the step is replayed
             return step.record(self, method_name, registered, args, kwargs)
         fns = self._dispatch_fns(registered)
@@ -158,7 +158,7 @@ class BoundGroup:
             GroupBrokenError, WorkerLostError: the group is not usable.
             AttributeError: the class has no such method.
         """
-        if check and plans.recording() is not None:
+        if check and recording() is not None:
             raise RuntimeError(
                 f"{self._name}.{method_name}: a step plan records the group's registered methods, not "
                 "execute_* calls or shutdown; make this call outside the with daskwg.plan() block"
