@@ -35,6 +35,7 @@ from daskwg import (
     WorkerLostError,
     register,
 )
+from daskwg.deadlines import current_limit
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -189,6 +190,28 @@ def test_register_timeout_config_and_innermost_deadline_bound_calls(hclient):
         assert info.value.timeout == 1.0
         # Without a deadline, the next call waits behind the abandoned ones, then runs.
         assert wg.sleep(0) == [0]
+
+
+@pytest.mark.timeout(120)
+def test_an_inner_deadline_longer_than_an_outer_one_does_not_extend_it(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        with daskwg.deadline(1), daskwg.deadline(60):
+            with pytest.raises(CallTimeoutError) as info:
+                wg.sleep(2.5)
+        assert info.value.timeout == 1.0
+        assert wg.sleep(0) == [0]
+
+
+def test_nested_deadlines_give_the_one_that_ends_first_whatever_the_order():
+    with daskwg.deadline(5) as outer:
+        with daskwg.deadline(60) as inner:
+            assert inner is outer and current_limit().seconds == 5.0
+            with daskwg.deadline(2) as innermost:
+                assert current_limit() is innermost and innermost.seconds == 2.0
+            assert current_limit() is outer
+        # A block still takes precedence over a method's timeout, longer or shorter.
+        assert current_limit(method_timeout=1.0) is outer
+    assert current_limit() is None and current_limit(method_timeout=1.0).seconds == 1.0
 
 
 @pytest.mark.timeout(120)
