@@ -160,3 +160,38 @@ def test_the_readme_configuration_table_has_every_setting_with_its_default():
     assert sorted(set(table) - set(defaults)) == [], "README rows naming no setting of daskwg.yaml"
     wrong = {k: (table[k], v) for k, v in defaults.items() if table[k] != v}
     assert wrong == {}, "README default differs from daskwg.yaml: {key: (README, yaml)}"
+
+
+def run_pytest_on_a_test_that_times_out(tmp_path, *plugins: str) -> str:
+    import os
+    import subprocess
+
+    (tmp_path / "test_slow.py").write_text(
+        "import threading, time\n"
+        "def test_fast():\n    pass\n"
+        "def test_sleeps_past_its_timeout():\n"
+        "    threading.Thread(target=time.sleep, args=(30,), name='sleeper', daemon=True).start()\n"
+        "    time.sleep(30)\n"
+        "def test_after():\n    pass\n"
+    )
+    options = [arg for plugin in plugins for arg in ("-p", plugin)]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *options, "--timeout", "2"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return run.stdout
+
+
+def test_a_timeout_s_thread_dump_is_in_the_failing_test_s_report(tmp_path):
+    """Even with output not captured (``-s``, or a fixture's phase when capture is
+    suspended), where pytest-timeout alone writes the dump between the progress dots."""
+    out = run_pytest_on_a_test_that_times_out(tmp_path, "timeout_report")
+    assert "1 failed, 2 passed" in out, out
+    before, failures = out.split("= FAILURES =", 1)
+    assert "sleeper" not in before and "Timeout" not in before, before
+    assert "Timeout >2s in test_slow.py::test_sleeps_past_its_timeout" in failures
+    assert "--- thread sleeper" in failures
