@@ -195,3 +195,46 @@ def test_a_timeout_s_thread_dump_is_in_the_failing_test_s_report(tmp_path):
     assert "sleeper" not in before and "Timeout" not in before, before
     assert "Timeout >2s in test_slow.py::test_sleeps_past_its_timeout" in failures
     assert "--- thread sleeper" in failures
+
+
+def _verl_extra() -> list:
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    lines = config["options.extras_require"]["verl"].strip().splitlines()
+    return [Requirement(line) for line in lines if line.strip()]
+
+
+def test_the_verl_extra_is_installed_here_with_the_versions_it_names():
+    """tox installs daskwg with the ``verl`` extra: every requirement it names is met."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    unmet = []
+    for requirement in _verl_extra():
+        try:
+            found = version(requirement.name)
+        except PackageNotFoundError:
+            found = None
+        if found is None or not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{requirement} (installed: {found})")
+    assert unmet == []
+
+
+def test_verl_s_single_controller_and_dataproto_import_with_the_verl_extra():
+    """What the extra is for: verl (installed with ``--no-deps``) imports on CPU, its Ray
+    single-controller module and ``daskwg.verl`` included, in this environment (daskwg's
+    requirements and its ``test`` and ``verl`` extras, as tox installs them)."""
+    import subprocess
+
+    pytest.importorskip("verl")
+    code = (
+        "import verl.protocol, verl.single_controller.base, verl.single_controller.base.decorator\n"
+        "import verl.single_controller.ray\n"
+        "import daskwg.verl\n"
+        "print('imported')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr[-3000:]
