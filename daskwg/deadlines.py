@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["deadline", "Limit", "current_limit", "check_seconds"]
+__all__ = ["deadline", "shielded", "Limit", "current_limit", "check_seconds"]
 
 _local = threading.local()
 
@@ -80,6 +80,29 @@ def deadline(seconds: float) -> Iterator[Limit]:
         yield _tightest(stack)
     finally:
         stack.remove(limit)
+
+
+@contextlib.contextmanager
+def shielded(seconds: float) -> Iterator[Limit]:
+    """A budget of its own for daskwg's clean-up waits (``shutdown()``), which enclosing
+    ``deadline`` blocks of the thread do not shorten, as trio's shielded cancel scopes
+    let clean-up run after the enclosing scope was cancelled: a group left by an exception
+    (a ``CallTimeoutError`` of an expired block included) still gets
+    ``daskwg.shutdown-timeout`` to destroy its ranks' objects.
+
+    Args:
+        seconds: the budget, counted from entering the block (a positive number).
+
+    Yields:
+        the ``Limit`` in force inside the block (this one, or a tighter block inside it).
+    """
+    outer = getattr(_local, "stack", None)
+    _local.stack = []
+    try:
+        with deadline(seconds) as limit:
+            yield limit
+    finally:
+        _local.stack = outer if outer is not None else []
 
 
 def _tightest(limits: list[Limit]) -> Limit:

@@ -35,7 +35,7 @@ from daskwg import (
     WorkerLostError,
     register,
 )
-from daskwg.deadlines import current_limit
+from daskwg.deadlines import current_limit, shielded
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -200,6 +200,19 @@ def test_an_inner_deadline_longer_than_an_outer_one_does_not_extend_it(hclient):
                 wg.sleep(2.5)
         assert info.value.timeout == 1.0
         assert wg.sleep(0) == [0]
+
+
+def test_shutdown_s_clean_up_budget_is_not_shortened_by_an_enclosing_deadline():
+    """``shutdown()`` waits under ``shielded(daskwg.shutdown-timeout)``: a block that has
+    already run out (a group left by its ``CallTimeoutError``) does not cut it short, as
+    trio shields clean-up; the enclosing blocks are back afterwards."""
+    with daskwg.deadline(0.01) as outer:
+        time.sleep(0.02)
+        with shielded(10) as own:
+            assert current_limit() is own and own.remaining() > 9
+            with daskwg.deadline(1) as inner:
+                assert current_limit() is inner
+        assert current_limit() is outer and outer.remaining() < 0
 
 
 def test_nested_deadlines_give_the_one_that_ends_first_whatever_the_order():

@@ -20,7 +20,7 @@ from distributed import Client, fire_and_forget
 
 from .. import foreign
 from ..config import Settings
-from ..deadlines import current_limit, deadline
+from ..deadlines import current_limit, shielded
 from ..errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
 from ..transport import CallFuture, GroupTransport, fresh_error
 from ..wire import records
@@ -432,7 +432,7 @@ class WorkerGroup(BoundGroup):
                 futures = self._send("__del__", later, [((), {})] * len(later), blocking=False, check=False)
                 fire_and_forget([f for f in futures if not isinstance(f, CallFuture)])
             if alive:
-                with deadline(Settings.current().shutdown_timeout):
+                with shielded(Settings.current().shutdown_timeout):
                     self._send(
                         "__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0
                     )
