@@ -160,7 +160,7 @@ def _keep_nannies(cluster: Any) -> Any:
     return cluster
 
 
-def local_cluster(n_workers: int | None = None, **kwargs: Any):
+def local_cluster(n_workers: int | None = None, **kwargs: Any) -> LocalCluster:
     """Start a local Dask cluster suited to worker groups.
 
     With GPUs and dask-cuda (the ``cuda`` extra) present: a
@@ -181,14 +181,16 @@ def local_cluster(n_workers: int | None = None, **kwargs: Any):
             without GPUs).
         **kwargs: passed to the cluster class (e.g. ``dashboard_address``,
             ``CUDA_VISIBLE_DEVICES`` for LocalCUDACluster, ``host``).
+
     Returns:
         the cluster; use it as a context manager and connect ``Client(cluster)``.
+
     Raises:
         ValueError: ``processes=False`` with an argument only a Nanny (a worker process)
             takes, e.g. ``config=`` or ``env=``: in-process workers share this process's
             settings (use ``dask.config.set`` and ``os.environ`` here instead), raised
             before anything starts.
-        whatever the cluster class raises for other bad arguments.
+        Exception: whatever the cluster class raises for other bad arguments.
     """
     if gpu_count() > 0:
         try:

@@ -149,8 +149,10 @@ def create_collective_group(
         backend: ``"gloo"``, ``"nccl"``, or ``None`` (each member: nccl where torch sees a
             GPU, else gloo; mixed placements should name one).
         timeout: seconds joining and each collective operation may take before they raise.
+
     Returns:
         the [`CollectiveGroup`][daskwg.CollectiveGroup] (a context manager that destroys it on exit).
+
     Raises:
         TypeError: a member is not a worker group, or ``(group, ranks)`` pair.
         ValueError: no members, a rank out of range or named twice, two members on one
@@ -350,22 +352,54 @@ def _member(group_name: str) -> _Member:
 
 
 def get_group(group_name: str) -> Any:
-    """The torch ``ProcessGroup`` of collective ``group_name`` (pass it as ``group=`` to
-    ``torch.distributed`` calls; ranks are collective ranks).
+    """The torch process group of collective ``group_name``, for any ``torch.distributed``
+    call that takes ``group=`` (called in rank code).
+
+    Args:
+        group_name: the collective's name, as given to
+            [`create_collective_group`][daskwg.collective.create_collective_group].
+
+    Returns:
+        a ``torch.distributed.ProcessGroup`` (``ProcessGroupGloo`` or ``ProcessGroupNCCL``)
+        whose ranks are the collective ranks, not the group's own ranks.
 
     Raises:
-        ValueError: this rank is not a member of such a collective.
+        ValueError: this rank is not a member of such a collective (the message lists the
+            ones it is a member of).
     """
     return _member(group_name).group
 
 
 def get_rank(group_name: str) -> int:
-    """This rank's rank in collective ``group_name`` (``ray.util.collective.get_rank``)."""
+    """This rank's rank in collective ``group_name``, as ``ray.util.collective.get_rank``
+    (called in rank code).
+
+    Args:
+        group_name: the collective's name.
+
+    Returns:
+        the collective rank, ``0 .. get_collective_group_size(group_name) - 1``: the
+        member's position in ``create_collective_group``'s list, groups expanded rank by rank.
+
+    Raises:
+        ValueError: this rank is not a member of such a collective.
+    """
     return _member(group_name).rank
 
 
 def get_collective_group_size(group_name: str) -> int:
-    """The number of members of collective ``group_name`` (as ``ray.util.collective``)."""
+    """The number of members of collective ``group_name``, as
+    ``ray.util.collective.get_collective_group_size`` (called in rank code).
+
+    Args:
+        group_name: the collective's name.
+
+    Returns:
+        the number of member ranks.
+
+    Raises:
+        ValueError: this rank is not a member of such a collective.
+    """
     return _member(group_name).spec.world_size
 
 
@@ -420,11 +454,14 @@ def allreduce(tensor: Any, group_name: str, op: Any = None) -> Any:
         tensor: a ``torch.Tensor`` of the same shape and dtype on every member.
         group_name: the collective's name.
         op: a ``torch.distributed.ReduceOp`` (default ``SUM``).
+
     Returns:
         ``tensor``, holding the reduction.
+
     Raises:
-        ValueError: not a member, or members passed different shapes, dtypes or ops;
-            RuntimeError: a member failed or the timeout passed.
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
+        ValueError: not a member, or members passed different shapes, dtypes or ops.
+        RuntimeError: a member failed, left, or the collective's ``timeout`` passed.
     """
     import torch.distributed as dist
 
@@ -444,11 +481,15 @@ def broadcast(tensor: Any, src_rank: int, group_name: str) -> Any:
             overwritten).
         src_rank: the collective rank that sends.
         group_name: the collective's name.
+
     Returns:
         ``tensor``.
+
     Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
         ValueError: not a member, ``src_rank`` out of range, or members passed different
-            shapes, dtypes or ``src_rank``; RuntimeError: a member failed or the timeout passed.
+            shapes, dtypes or ``src_rank``.
+        RuntimeError: a member failed, left, or the collective's ``timeout`` passed.
     """
     import torch
     import torch.distributed as dist
@@ -492,7 +533,22 @@ def _chain_broadcast(member: _Member, flat: Any, src_rank: int) -> None:
 
 
 def allgather(tensor: Any, group_name: str) -> list:
-    """Every member's ``tensor`` (same shape and dtype everywhere), in collective-rank order."""
+    """Every member's ``tensor``, in collective-rank order, as
+    ``ray.util.collective.allgather`` (which fills a list given to it) returns them.
+
+    Args:
+        tensor: a ``torch.Tensor`` of the same shape and dtype on every member.
+        group_name: the collective's name.
+
+    Returns:
+        a list of ``get_collective_group_size(group_name)`` new tensors shaped as
+        ``tensor``; entry ``r`` is collective rank ``r``'s.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
+        ValueError: not a member, or members passed different shapes or dtypes.
+        RuntimeError: a member failed, left, or the collective's ``timeout`` passed.
+    """
     import torch
 
     member = _member(group_name)
@@ -504,7 +560,16 @@ def allgather(tensor: Any, group_name: str) -> list:
 
 
 def barrier(group_name: str) -> None:
-    """Wait until every member reached this barrier."""
+    """Wait until every member of collective ``group_name`` reached this barrier, as
+    ``ray.util.collective.barrier``.
+
+    Args:
+        group_name: the collective's name.
+
+    Raises:
+        ValueError: this rank is not a member of such a collective.
+        RuntimeError: a member failed, left, or the collective's ``timeout`` passed.
+    """
     import torch
 
     # An all-reduce of one element: gloo's barrier() takes no timeout of its own.

@@ -1421,6 +1421,7 @@ def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any,
 
     Returns:
         ``(padded, pad_size)``; ``value`` itself when no padding is needed.
+
     Raises:
         TypeError: ``value`` is neither a DataProto nor a TensorDict.
     """

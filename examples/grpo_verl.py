@@ -16,8 +16,8 @@ Run it as ``grpo.py`` (the same options)::
     python examples/grpo_verl.py                    # colocated, 4 ranks
     python examples/grpo_verl.py --placement split  # 2 rollout + 4 trainer ranks
 
-It needs verl installed (``pip install --no-deps verl==0.9.1`` and the CPU imports listed
-in ``tests/verl_suite/requirements.txt``; ``tox -e demo-verl`` does both).
+It needs daskwg's ``verl`` extra (what verl imports on CPU) and verl itself installed
+without its dependencies (``pip install --no-deps verl==0.9.1``); ``tox -e demo-verl`` does both.
 ``--kill-worker-at-step`` is refused: verl's trainer does not recover from a lost worker
 (``grpo.py`` shows daskwg's recovery), and lost workers end the run (``--max-restarts 0``).
 """

@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Nanny for good, and the restart would wait for a worker that never comes back.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
+# A timeout's thread dump goes into the failing test's report (tests/timeout_report.py).
+pytest_plugins = ["timeout_report"]
+
 _FIGURES = pytest.StashKey[list]()
 
 

@@ -35,6 +35,7 @@ from daskwg import (
     WorkerLostError,
     register,
 )
+from daskwg.deadlines import current_limit, shielded
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -189,6 +190,41 @@ def test_register_timeout_config_and_innermost_deadline_bound_calls(hclient):
         assert info.value.timeout == 1.0
         # Without a deadline, the next call waits behind the abandoned ones, then runs.
         assert wg.sleep(0) == [0]
+
+
+@pytest.mark.timeout(120)
+def test_an_inner_deadline_longer_than_an_outer_one_does_not_extend_it(hclient):
+    with WorkerGroup(hclient, HangWorker, world_size=1) as wg:
+        with daskwg.deadline(1), daskwg.deadline(60):
+            with pytest.raises(CallTimeoutError) as info:
+                wg.sleep(2.5)
+        assert info.value.timeout == 1.0
+        assert wg.sleep(0) == [0]
+
+
+def test_shutdown_s_clean_up_budget_is_not_shortened_by_an_enclosing_deadline():
+    """``shutdown()`` waits under ``shielded(daskwg.shutdown-timeout)``: a block that has
+    already run out (a group left by its ``CallTimeoutError``) does not cut it short, as
+    trio shields clean-up; the enclosing blocks are back afterwards."""
+    with daskwg.deadline(0.01) as outer:
+        time.sleep(0.02)
+        with shielded(10) as own:
+            assert current_limit() is own and own.remaining() > 9
+            with daskwg.deadline(1) as inner:
+                assert current_limit() is inner
+        assert current_limit() is outer and outer.remaining() < 0
+
+
+def test_nested_deadlines_give_the_one_that_ends_first_whatever_the_order():
+    with daskwg.deadline(5) as outer:
+        with daskwg.deadline(60) as inner:
+            assert inner is outer and current_limit().seconds == 5.0
+            with daskwg.deadline(2) as innermost:
+                assert current_limit() is innermost and innermost.seconds == 2.0
+            assert current_limit() is outer
+        # A block still takes precedence over a method's timeout, longer or shorter.
+        assert current_limit(method_timeout=1.0) is outer
+    assert current_limit() is None and current_limit(method_timeout=1.0).seconds == 1.0
 
 
 @pytest.mark.timeout(120)

@@ -89,6 +89,7 @@ def check_per_rank(
     Args:
         mode: who expects it, for the message (``"ALL_TO_ALL"``, ``"the dispatch function of g.m"``).
         hint: what to do instead, appended to the message of an argument that is no list.
+
     Raises:
         DispatchError: naming the argument, its type or length, and ``world_size``.
     """

@@ -195,11 +195,15 @@ class DataProtoFuture(DaskCollection):
 
         Args:
             other: a ``DataProtoFuture`` or a ``DataProto`` with the same number of rows.
+
         Returns:
             a new ``DataProtoFuture``; nothing moves until it is consumed or ``get()``.
+
         Raises:
-            TypeError: ``other`` is neither. Differing row counts or keys holding
-            different values raise ``ValueError`` where the rows are materialised.
+            TypeError: ``other`` is neither.
+            ValueError: ``other`` is a piece of a chunked ``DataProtoFuture``. Differing row
+                counts or keys holding different values raise it where the rows are
+                materialised.
         """
         if isinstance(other, DataProtoFuture):
             if other.rows is not None or other.dispatch_fn is not None:
@@ -499,6 +503,7 @@ def evaluate(plan: tuple, lengths: list[int], metas: list, fetch: Callable[[int,
             (each a set, or ``None`` for all), ``meta_info`` left out; runs of rows over
             several parts go through its ``many([(part, start, stop, columns), ...])``
             where it has one (those rows concatenated, fetched all at once).
+
     Returns:
         the DataProto (or TensorDict) the plan stands for: all its rows, or piece
         ``rows[0]`` of ``rows[1]`` as ``DataProto.chunk`` would cut it.

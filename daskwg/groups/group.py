@@ -20,7 +20,7 @@ from distributed import Client, fire_and_forget
 
 from .. import foreign
 from ..config import Settings
-from ..deadlines import current_limit, deadline
+from ..deadlines import current_limit, shielded
 from ..errors import CallTimeoutError, GroupBrokenError, WorkerGroupError
 from ..transport import CallFuture, GroupTransport
 from ..transport.failure.state import fresh_error
@@ -264,10 +264,12 @@ class WorkerGroup(BoundGroup):
 
         Args:
             prefix_set: role names of the ``create_colocated_worker_cls`` dict.
+
         Returns:
             role name → a group over the same ranks that binds that role's registered
             methods under their own names (``groups["actor"].add(data)``). Role groups
             own nothing: shut down this group to free the ranks.
+
         Raises:
             TypeError: this group's class is not a colocated worker.
             ValueError: an unknown role name.
@@ -521,7 +523,7 @@ class WorkerGroup(BoundGroup):
                 if tasks:
                     fire_and_forget(tasks)
             if alive:
-                with deadline(Settings.current().shutdown_timeout):
+                with shielded(Settings.current().shutdown_timeout):
                     self._send(
                         "__del__", alive, [((), {})] * len(alive), blocking=True, check=False, settle=0.0
                     )

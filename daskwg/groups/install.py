@@ -112,10 +112,10 @@ def install_plugins(client: Client) -> None:
     worker) reuses the instance each process already has.
 
     Raises:
-        whatever ``client.register_plugin`` raises for the worker plugin (e.g. workers that
-        cannot import daskwg). A scheduler that cannot is only logged: groups then work,
-        but a driver that exits without ``shutdown()`` leaves its ranks until the workers
-        restart.
+        Exception: whatever ``client.register_plugin`` raises for the worker plugin (e.g.
+            workers that cannot import daskwg). A scheduler that cannot is only logged:
+            groups then work, but a driver that exits without ``shutdown()`` leaves its
+            ranks until the workers restart.
     """
     if client in _installed:
         return

@@ -225,8 +225,10 @@ class ResourcePool:
 
         Args:
             sizes: a list of sizes summing to ``world_size``, or one int that divides it.
+
         Returns:
             one ``ResourcePool`` per size, in order; each sub-pool's ranks restart at 0.
+
         Raises:
             ValueError: sizes that do not add up to ``world_size`` or are not positive.
         """

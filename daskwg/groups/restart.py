@@ -54,10 +54,12 @@ def restart_workers(
             mark the new process lost).
         group_name: for messages.
         timeout: seconds the workers get to come back.
+
     Returns:
         the slots of the restarted workers (new processes, found by their Nanny's address,
         which stays; their address and name may be new, as for ``dask worker`` without
         ``--name``), in rank order.
+
     Raises:
         WorkerGroupError: the workers did not come back within ``timeout`` (call
             :func:`check_restartable` first).

@@ -365,8 +365,10 @@ def plan(name: str = "step", *, compiled: bool = True) -> Iterator[StepPlan]:
         name: the step's name, in messages.
         compiled: replays may take the one-message route (``False``: every replay makes the
             calls one by one, as the block would have).
+
     Returns:
         a context manager giving the [`StepPlan`][daskwg.StepPlan].
+
     Raises:
         RuntimeError: a plan is being recorded in this thread already (plans do not nest);
             an ``execute_*`` call inside the block.

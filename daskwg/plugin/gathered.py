@@ -183,7 +183,7 @@ def gather(
         this route does not apply (too small, no file, a producer cannot open it).
 
     Raises:
-        what ``write`` raises (a released part, a lost worker).
+        Exception: what ``write`` raises (a released part, a lost worker).
     """
     wanted = requests[0][3]
     keys = [c for c in columns if wanted is None or wanted[0] is None or c[0] in wanted[0]]

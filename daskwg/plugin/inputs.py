@@ -126,7 +126,7 @@ class Inputs:
         """The value of ``ref``, in memory of this rank's own.
 
         Raises:
-            the producing call's error if it failed.
+            Exception: the producing call's error if it failed.
             WorkerLostError: the worker holding it cannot be reached.
             GroupBrokenError: it was released.
         """

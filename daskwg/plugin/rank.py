@@ -117,7 +117,7 @@ class HostedRank:
 
         Raises:
             AttributeError: the instance has no such method.
-            whatever the method raises.
+            Exception: whatever the method raises.
         """
         if call.method in collective.RANK_CALLS:  # joining or leaving a collective
             return collective.rank_call(call.method, call.group_id, *args, **kwargs)

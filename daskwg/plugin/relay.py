@@ -109,7 +109,7 @@ class Relays:
         ``ref.relays`` consumers served from here first.
 
         Raises:
-            the producing call's error if it failed.
+            Exception: the producing call's error if it failed.
             WorkerLostError: neither ``ref.via`` nor the producer's worker can be reached.
         """
         replica = _Replica()

@@ -185,7 +185,7 @@ class ResultStore:
         spilled and reloaded it), once the call that makes it has finished.
 
         Raises:
-            the call's own error (a ``RankError``) if it failed.
+            RankError: the call's own error if it failed.
             GroupBrokenError: the result was released, or its call never came.
         """
         key = ref.key

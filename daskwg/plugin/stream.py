@@ -55,6 +55,7 @@ async def serve(
             (``daskwg.transport.streams``): this side answers whether it maps the driver's
             files (with ``daskwg.shared-memory`` on here too) and with its own probe; the
             driver's ``("files", 0, ok)`` says whether it maps this side's.
+
     Returns:
         ``Status.dont_reply`` (replies go out as calls finish).
     """

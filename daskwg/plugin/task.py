@@ -30,8 +30,10 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
         lazy_values: what Dask resolved for ``DataProtoFuture`` arguments before the task
             started (their parts, or their :class:`~daskwg.wire.messages.PartInfo`).
         task_key: this task's key.
+
     Returns:
         the call's result, snapshotted at return (a ``serialization.Packed``).
+
     Raises:
         RankError: the call failed on the rank.
         GroupBrokenError: this worker has no host plugin (it restarted).

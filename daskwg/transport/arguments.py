@@ -68,6 +68,7 @@ def extract_futures(payload: tuple, lazies: list, driver: Driver, part_info: Any
         driver: the driver whose results become :class:`ResultRef`\\ s.
         part_info: ``Future -> Future`` of a part's ``PartInfo`` (the task path's).
         keep: receives the futures the call reads, to keep alive until it ends.
+
     Raises:
         ValueError: a transformed future whose parts are not plainly concatenated.
         WorkerLostError: a future is a non-blocking call's result kept on a worker this

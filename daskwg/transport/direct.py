@@ -92,8 +92,10 @@ class DirectPath:
             relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
             on_sent: called once every call is written (or its writing failed, or ``grace``
                 passed): :meth:`daskwg.transport.channel.HeldInterrupt.release`.
+
         Returns:
             the per-rank results, in the order of ``calls``.
+
         Raises:
             RankError: a rank raised (at once; the others get ``grace`` seconds).
             WorkerLostError: a rank's worker is gone or its connection dropped.

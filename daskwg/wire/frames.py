@@ -146,6 +146,7 @@ class FrameStream:
         Args:
             lead: a callable giving a message without buffers to write just before this
                 one, in the same write (or ``None``); called only if this writes.
+
         Returns:
             ``False`` (nothing written, ``lead`` not called) when the message must go through
             :meth:`write` on the loop: not a byte stream, too large, or the loop is writing.

@@ -97,6 +97,7 @@ def listen(server_id: str, serve: Callable[[Any, dict | None], Awaitable[Any]]) 
         server_id: the worker's Dask server id (``Worker.id``).
         serve: ``serve(comm, files)``, what the ``daskwg_stream`` handler does with a stream
             opened over TCP (``files``: the opening's shared-memory probe).
+
     Returns:
         a function that stops listening; ``None`` where none can be made (not Linux, or the
         name is taken), when drivers connect over TCP only.

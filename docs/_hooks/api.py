@@ -14,7 +14,13 @@ from collections import defaultdict
 MARKER = "<!-- daskwg-api -->"
 
 # Modules whose own public names (their __all__) users reach as daskwg.<module>.<name>.
-MODULES = ("daskwg.protocol", "daskwg.groups.colocate", "daskwg.scheduler.dashboard", "daskwg.verl")
+MODULES = (
+    "daskwg.protocol",
+    "daskwg.collective",
+    "daskwg.groups.colocate",
+    "daskwg.scheduler.dashboard",
+    "daskwg.verl",
+)
 
 
 def api_markdown() -> str:

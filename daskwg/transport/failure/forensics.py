@@ -29,6 +29,7 @@ async def query_status(rpc: Callable[[str], Any], addresses: Iterable[str], time
     Args:
         rpc: ``address -> rpc`` (a Dask ``ConnectionPool`` or ``client.rpc``).
         timeout: seconds each worker gets to answer.
+
     Returns:
         ``{address: [record, ...] | "unresponsive" | "lost"}``.
     """
@@ -134,6 +135,7 @@ def call_states(
         addresses: rank → worker address.
         done: ranks whose part the driver already has.
         answers: :func:`query_status`'s result.
+
     Returns:
         ``(ranks, stacks, notes)``: rank → state (``"done"``, ``"running"``,
         ``"queued"``, ``"unresponsive"``, ``"lost"``), rank → stack text of running

@@ -63,6 +63,7 @@ def removal_reason(msg: dict, closing: str | None, detail: str | None = None) ->
         closing: the reason of the worker's own ``closing-worker`` event before it
             (``None``: it closed without one, e.g. its process died).
         detail: how the process ended, from its Nanny (:func:`exit_detail`), if known.
+
     Returns:
         e.g. ``"its process was killed by signal 9 (SIGKILL)"``, ``"it was retired
         (client.retire_workers, or the cluster scaled down)"``.

@@ -127,8 +127,10 @@ class Waiter:
             grace: seconds the other ranks get after one raised (default
                 ``settings.rank_failure_grace``).
             limit: the deadline (default: this thread's :func:`~daskwg.deadlines.current_limit`).
+
         Returns:
             the values, in the order of ``futures``.
+
         Raises:
             RankError, WorkerLostError, GroupBrokenError, WorkerPausedError: as a call failed.
             CallTimeoutError: ``limit`` passed first.
