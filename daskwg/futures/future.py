@@ -626,6 +626,7 @@ def argument_rows(plan: tuple, lengths: list[int], whole: bool = False) -> int:
 
     Args:
         lengths: rows of every part (padding included), by part number.
+
     Raises:
         ValueError: a union of different lengths, or a piece that cannot be cut.
     """

@@ -367,9 +367,11 @@ class WorkerGroup(BoundGroup):
 
         Args:
             timeout: seconds to wait for free workers (and restarts), ``None``: 120.
+
         Returns:
             a ``daskwg.groups.heal.MembershipReport``: ``moved`` (rank -> (old, new)
             worker address), ``seconds``, the new ``master_addr``/``master_port``.
+
         Raises:
             WorldSizeError: too few free workers within ``timeout`` (the message says what
                 it waited for).
@@ -391,8 +393,10 @@ class WorkerGroup(BoundGroup):
         Args:
             world_size: the new number of ranks (>= 1).
             timeout: seconds to wait for free workers, ``None``: 120.
+
         Returns:
             a ``daskwg.groups.heal.MembershipReport``.
+
         Raises:
             ValueError: ``world_size`` is not an int >= 1.
             GroupBrokenError: the group is broken (``heal()`` it first) or shut down.

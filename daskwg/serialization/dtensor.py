@@ -60,8 +60,10 @@ class LocalShard:
         Args:
             pieces: the ``LocalShard`` of each rank of the mesh, in any order; replicated
                 pieces may repeat.
+
         Returns:
             a tensor of shape ``shape``, on the pieces' device.
+
         Raises:
             ValueError: no pieces, pieces of different tensors, a ``Partial`` placement
                 (its pieces are summands: reduce them on the ranks first), or pieces that

@@ -55,8 +55,8 @@ def pack(obj: Any) -> dict:
     arguments or a result; a :class:`Packed` as it is).
 
     Raises:
-        whatever pickling raises for an object that cannot be pickled (Dask's error log
-        of that failure is suppressed: the caller reports it).
+        Exception: whatever pickling raises for an object that cannot be pickled (Dask's
+            error log of that failure is suppressed: the caller reports it).
     """
     return message_part(dumps(obj))
 

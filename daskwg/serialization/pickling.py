@@ -179,9 +179,10 @@ def dumps(obj: Any, *, arguments: bool = False) -> Packed:
     Args:
         arguments: ``obj`` is a call's arguments, from which the futures the ranks resolve
             were taken out: any Dask future left in it raises :class:`NestedFutureError`.
+
     Raises:
         NestedFutureError: see ``arguments``.
-        whatever pickling raises for an object that cannot be pickled.
+        Exception: whatever pickling raises for an object that cannot be pickled.
     """
     if isinstance(obj, Packed):
         return obj

@@ -124,8 +124,10 @@ def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[P
         state_dict: name -> ``torch.Tensor`` or ``DTensor`` (``model.state_dict()`` of an
             FSDP2 model).
         sender: this rank's collective rank among the trainer ranks.
+
     Yields:
         ``(Piece, tensor)``: the tensor is the local data, contiguous, on its device.
+
     Raises:
         ValueError: a DTensor on a mesh of more than one dimension, or sharded otherwise
             than on dim 0 (call ``full_tensor()`` on it, or shard it with ``Shard(0)``).
@@ -221,8 +223,10 @@ def send_shards(
             bucket.
         delta: send only the pieces that changed since this rank's last sync on
             ``group_name`` (keeps a copy of this rank's shard for the comparison).
+
     Returns:
         a :class:`SyncReport`.
+
     Raises:
         ValueError: not a member, ``senders`` out of range, this rank is not a trainer
             rank, ``bucket_bytes`` below 1, or an unsupported DTensor (:func:`local_pieces`);
@@ -289,8 +293,10 @@ def receive_shards(params: Mapping[str, Any], group_name: str, *, senders: int) 
             the trainer's shape and dtype.
         group_name: the collective of :func:`send_shards`.
         senders: number of trainer ranks.
+
     Returns:
         a :class:`SyncReport` (``shard_bytes``: bytes of all pieces received).
+
     Raises:
         KeyError: a trainer sent a name ``params`` lacks; ValueError: not a member, a
             trainer rank, or a tensor of another shape or dtype than the trainer's, or not

@@ -93,6 +93,7 @@ async def find_lost_rank(
         wait: the most seconds to wait for a refusing worker's removal (0: look once,
             without probing).
         poll: seconds between looks at the driver's lost marks.
+
     Returns:
         the lost rank (its worker is then marked lost on the driver and the group broken
         with its ``WorkerLostError``), or ``None``.
