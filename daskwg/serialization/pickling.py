@@ -115,6 +115,11 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
         entries = dict(obj.items())
         device = None if obj.device is None else str(obj.device)
         names = obj.names if obj._has_names() else None
+        columns = codec.reduce_columns(entries)
+        if columns is not None:  # a wide batch: its small columns in one buffer
+            rest, packed, buf = columns
+            keys = tuple(entries)
+            return codec.rebuild_columns, (tuple(obj.batch_size), device, names, keys, rest, packed, buf)
         return codec.rebuild_tensordict, (tuple(obj.batch_size), device, names, entries)
     if isinstance(obj, DataProto) or _is_verl_dataproto(kind, obj):
         return _rebuild_dataproto, (kind, obj.batch, obj.non_tensor_batch, obj.meta_info)
