@@ -5,7 +5,9 @@ Every argument and result daskwg moves is pickled by one pickler
 (arguments, keyword arguments, results, ``meta_info``, ``non_tensor_batch`` object
 arrays, nested containers, TensorDicts), as its own bytes in one out-of-band pickle-5
 buffer: a view of a 1 GiB tensor costs what its 16 elements cost, never its base
-storage (torch's own pickling writes the whole storage with ``torch.save``). Sparse
+storage (torch's own pickling writes the whole storage with ``torch.save``). A
+TensorDict's small columns share one buffer (``daskwg.wire.codec.reduce_columns``: a
+512-key batch is one buffer, not 512). Sparse
 (COO and compressed) tensors travel as their index and value tensors. The result is
 a :class:`Packed`: the pickle stream plus the buffers, which Dask's comm sends as
 frames without copying (it is registered with Dask's ``dask`` serializer family) and

@@ -12,6 +12,11 @@ converted: bf16, fp8); sparse tensors (COO and compressed) travel as their index
 value tensors. Both daskwg's pickler
 (``daskwg.serialization.pickling``) and plain ``pickle`` of a ``DataProto``
 (:func:`tensordict_state`) use it.
+
+A wide TensorDict (many small columns: ids, masks, log-probs, per-token rewards) would pay
+that per column at each end; daskwg's pickler sends its small plain columns together in
+one buffer instead (:func:`reduce_columns` / :func:`rebuild_columns`), so a batch costs
+about its bytes, not its keys.
 """
 
 from __future__ import annotations
