@@ -93,7 +93,7 @@ ROW_REPS = {
 # new arrive), so a steady state holds two sets; until both exist, every set lands in
 # memory the process never had. Both systems get the same warm-up.
 WEIGHT_WARMUPS = 2
-ONCE = ("timings", "rss", "grpo")  # measured once, after the runs
+ONCE = ("timings", "rss", "grpo", "scale")  # measured once, after the runs
 GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
 ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
@@ -156,6 +156,10 @@ def make_plane_class(Worker: type, register: Any, Dispatch: Any, DataProto: type
 
         @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
         def echo_async(self, data):
+            return data
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+        def echo_proto(self, data):
             return data
 
         @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
@@ -1778,8 +1782,11 @@ def build_grpo_report(grpo: dict) -> str:
     )
 
 
-def assemble(runs: list[dict], res: dict, rss: dict, grpo: dict | None = None) -> tuple[str, dict]:
-    """Every table of the report, in order, and every verdict."""
+def assemble(
+    runs: list[dict], res: dict, rss: dict, grpo: dict | None = None, scaled: dict | None = None, plot=None
+) -> tuple[str, dict]:
+    """Every table of the report, in order, and every verdict. ``plot``: ``(path, reference)``
+    of the scale rows' plot, written when the scale rows ran."""
     parts, verdicts = [], {}
     if runs:
         table, v = build_rows_report(runs)
@@ -1796,6 +1803,13 @@ def assemble(runs: list[dict], res: dict, rss: dict, grpo: dict | None = None) -
         verdicts.update(v)
     if grpo:
         parts += ["", "### The main job's step, with and without a step plan", "", build_grpo_report(grpo)]
+    if scaled:
+        import scale
+
+        path, ref = plot or (None, None)
+        table, v = scale.build_report(scaled, fmt_s, path, ref)
+        parts += ["", "### Cost as the ranks grow (issue 46), and wide batches", "", table]
+        verdicts.update(v)
     return "\n".join(parts), verdicts
 
 
@@ -1994,6 +2008,15 @@ def _quick() -> None:
     PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES = 1024, 1 << 24, 32 * MB, 16 * MB
 
 
+def _plot_target(args) -> tuple[str | None, str | None]:
+    """Where the scale rows' plot goes and how the report refers to it."""
+    if args.plot:
+        return args.plot, os.path.basename(args.plot)
+    if args.write:
+        return os.path.join(os.path.dirname(os.path.abspath(args.write)), "img", "scale.png"), "img/scale.png"
+    return None, None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", metavar="PATH", help="write the markdown report here")
@@ -2011,6 +2034,15 @@ def main() -> None:
     )
     parser.add_argument("--child", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scale", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sizes", default="2,4,8,16,32", help="ranks of the scale rows (default 2,4,8,16,32)"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the scale rows' plot here (default with --write: docs/img/scale.png)",
+    )
     parser.add_argument("--rows-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--floors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -2034,6 +2066,12 @@ def main() -> None:
             result = run_rows_child(args.child, rows)
         elif args.rss:
             result = run_rss_child(args.child, max(ranks))
+        elif args.scale:
+            import scale
+
+            result = scale.run_scale_child(
+                args.child, tuple(int(n) for n in args.sizes.split(",")), args.quick
+            )
         else:
             result = run_child(args.child, ranks)
     if args.floors or args.child:
@@ -2045,7 +2083,7 @@ def main() -> None:
         with open(args.from_json) as f:
             saved = json.load(f)
         runs, res, rss = saved.get("runs", []), saved.get("results", {}), saved.get("rss", {})
-        report, verdicts = assemble(runs, res, rss, saved.get("grpo"))
+        report, verdicts = assemble(runs, res, rss, saved.get("grpo"), saved.get("scale"), _plot_target(args))
         print(report)
         if args.write:
             versions = collect_versions(runs, res)
@@ -2071,7 +2109,7 @@ def main() -> None:
             f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
         )
         runs.append(run)
-    res, rss, grpo = {}, {}, {}
+    res, rss, grpo, scaled = {}, {}, {}, {}
     if any(r in ONCE for r in rows):
         print(f"[bench] measured once: load average {_load()}", flush=True)
         passthrough = ["--ranks", args.ranks, *quick]
@@ -2082,6 +2120,9 @@ def main() -> None:
             if "rss" in rows:
                 print(f"[bench] {name}: driver memory", flush=True)
                 rss[name] = spawn(["--child", name, "--rss", *passthrough])
+            if "scale" in rows:
+                print(f"[bench] {name}: scale rows at {args.sizes} ranks", flush=True)
+                scaled[name] = spawn(["--child", name, "--scale", "--sizes", args.sizes, *quick])
         if "grpo" in rows and "daskwg" in systems:
             steps = 4 if args.quick else GRPO_STEPS
             print(f"[bench] examples/grpo.py, {steps} steps, without and with --plan", flush=True)
@@ -2092,9 +2133,22 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"runs": runs, "results": res, "rss": rss, "grpo": grpo, "machine": mach, "wall_s": wall}, f
+                {
+                    "runs": runs,
+                    "results": res,
+                    "rss": rss,
+                    "grpo": grpo,
+                    "scale": scaled,
+                    "machine": mach,
+                    "wall_s": wall,
+                },
+                f,
             )
     if set(systems) != {"daskwg", "verl"}:
+        if scaled:
+            import scale
+
+            print(scale.build_report(scaled, fmt_s, *_plot_target(args))[0])
         for name in systems:
             for run in runs:
                 for key, samples in run[name]["samples"].items():
@@ -2104,7 +2158,7 @@ def main() -> None:
             for key, samples in res.get(name, {}).get("samples", {}).items():
                 print(f"{name:7s} {key:28s} {cell(samples)}")
         return
-    report, verdicts = assemble(runs, res, rss, grpo)
+    report, verdicts = assemble(runs, res, rss, grpo, scaled, _plot_target(args))
     print(report)
     print("\nmet:", verdicts)
     print(f"[bench] whole run {wall:.0f} s")

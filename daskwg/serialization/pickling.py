@@ -5,7 +5,9 @@ Every argument and result daskwg moves is pickled by one pickler
 (arguments, keyword arguments, results, ``meta_info``, ``non_tensor_batch`` object
 arrays, nested containers, TensorDicts), as its own bytes in one out-of-band pickle-5
 buffer: a view of a 1 GiB tensor costs what its 16 elements cost, never its base
-storage (torch's own pickling writes the whole storage with ``torch.save``). Sparse
+storage (torch's own pickling writes the whole storage with ``torch.save``). A
+TensorDict's small columns share one buffer (``daskwg.wire.codec.reduce_columns``: a
+512-key batch is one buffer, not 512). Sparse
 (COO and compressed) tensors travel as their index and value tensors. The result is
 a :class:`Packed`: the pickle stream plus the buffers, which Dask's comm sends as
 frames without copying (``daskwg.serialization.registration`` registers it with Dask's
@@ -111,6 +113,11 @@ def _reduce(obj: Any, private: set[int] | None) -> Any:
         entries = dict(obj.items())
         device = None if obj.device is None else str(obj.device)
         names = obj.names if obj._has_names() else None
+        columns = codec.reduce_columns(entries)
+        if columns is not None:  # a wide batch: its small columns in one buffer
+            rest, packed, buf = columns
+            keys = tuple(entries)
+            return codec.rebuild_columns, (tuple(obj.batch_size), device, names, keys, rest, packed, buf)
         return codec.rebuild_tensordict, (tuple(obj.batch_size), device, names, entries)
     if isinstance(obj, DataProto) or _is_verl_dataproto(kind, obj):
         return _rebuild_dataproto, (kind, obj.batch, obj.non_tensor_batch, obj.meta_info)

@@ -12,6 +12,11 @@ converted: bf16, fp8); sparse tensors (COO and compressed) travel as their index
 value tensors. Both daskwg's pickler
 (``daskwg.serialization.pickling``) and plain ``pickle`` of a ``DataProto``
 (:func:`tensordict_state`) use it.
+
+A wide TensorDict (many small columns: ids, masks, log-probs, per-token rewards) would pay
+that per column at each end; daskwg's pickler sends its small plain columns together in
+one buffer instead (:func:`reduce_columns` / :func:`rebuild_columns`), so a batch costs
+about its bytes, not its keys.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
+from torch._utils import _flatten_dense_tensors
 
 from . import buffers
 
@@ -33,6 +39,8 @@ __all__ = [
     "rebuild_tensor",
     "received",
     "rebuild_tensordict",
+    "reduce_columns",
+    "rebuild_columns",
     "TensorBytes",
     "tensordict_state",
     "tensordict_from_state",
@@ -160,6 +168,77 @@ def rebuild_tensordict(batch_size: tuple, device: str | None, names: Any, entrie
     if names is not None:
         td.names = names
     return td
+
+
+#: Bytes up to which a TensorDict column travels inside its TensorDict's one shared buffer
+#: (:func:`reduce_columns`) rather than as a buffer of its own.
+SMALL_COLUMN = 32 << 10
+#: Columns from which a TensorDict packs its small ones together.
+_PACK_FROM = 4
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def reduce_columns(entries: dict) -> tuple[dict, tuple, Any] | None:
+    """The small plain columns of a TensorDict's ``entries`` (``{key: value}``) in one
+    byte buffer: ``(rest, packed, buffer)``, or ``None`` when fewer than ``_PACK_FROM``
+    columns qualify.
+
+    Every tensor that travels on its own costs a reduce, a pickle-5 buffer (a frame on
+    the wire) and a rebuild at each end: ~35 us a column here, 36 ms of driver CPU for a
+    512-key batch on 2 ranks, against 7 ms for chunking and concatenating it in the
+    driver. Contiguous CPU tensors without gradients of at most :data:`SMALL_COLUMN`
+    bytes are copied into one buffer instead (a copy: the buffer is the snapshot of the
+    columns, whoever else holds them), largest element size first so that every column
+    starts aligned to its element size.
+
+    Returns:
+        ``rest``: ``entries`` without the packed columns; ``packed``: ``(key, dtype name,
+        shape, byte offset)`` per packed column; ``buffer``: a ``pickle.PickleBuffer``.
+    """
+    by_dtype: dict[torch.dtype, list] = {}
+    count = 0
+    for key, t in entries.items():
+        if (
+            type(t) is torch.Tensor
+            and t.layout == torch.strided
+            and t.is_cpu
+            and not t.requires_grad
+            and 0 < t.nbytes <= SMALL_COLUMN
+            and t.is_contiguous()
+            and not t.dtype.is_complex  # conjugate and negative bits live on complex tensors
+        ):
+            by_dtype.setdefault(t.dtype, []).append((key, t))
+            count += 1
+    if count < _PACK_FROM:
+        return None
+    flats, packed, taken, offset = [], [], set(), 0
+    # One flattening copy per dtype (a ``Tensor.view(dtype)`` per column costs more than
+    # the copy of a small one), largest element size first: every column starts aligned.
+    for dtype in sorted(by_dtype, key=lambda d: -d.itemsize):
+        columns = by_dtype[dtype]
+        flats.append(_flatten_dense_tensors([t for _, t in columns]).view(torch.uint8))
+        name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, _dtype_name(dtype))
+        for key, t in columns:
+            packed.append((key, name, tuple(t.shape), offset))
+            taken.add(key)
+            offset += t.nbytes
+    flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+    rest = {key: value for key, value in entries.items() if key not in taken}
+    return rest, tuple(packed), pickle.PickleBuffer(flat.numpy())
+
+
+def rebuild_columns(
+    batch_size: tuple, device: str | None, names: Any, keys: tuple, rest: dict, packed: tuple, buf: Any
+) -> TensorDict:
+    """The TensorDict :func:`reduce_columns` took apart: its packed columns rebuilt on
+    ``buf``'s memory, no copy (they share it), in the order of ``keys``."""
+    storage = torch.frombuffer(_writable(buf), dtype=torch.uint8).untyped_storage()
+    columns = {}
+    for key, dtype, shape, offset in packed:
+        torch_dtype = getattr(torch, dtype)
+        columns[key] = torch.empty(0, dtype=torch_dtype).set_(storage, offset // torch_dtype.itemsize, shape)
+    entries = {key: columns[key] if key in columns else rest[key] for key in keys}
+    return rebuild_tensordict(batch_size, device, names, entries)
 
 
 def reduce_tensor(t: torch.Tensor, copy: bool) -> Any:
