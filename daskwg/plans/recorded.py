@@ -6,6 +6,7 @@ call's output rank by rank (``edge``); and walking the stand-ins in a call's arg
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -157,8 +158,11 @@ def no_edge(where: str, label: str, source_fns: dict, fns: dict) -> str:
     rank (``edge`` gave ``None``): what each side's functions do."""
     source, reader = collect_kind(source_fns), dispatch_kind(fns)
     if reader is None or source is None:
-        fn = fns["dispatch_fn"] if reader is None else source_fns["collect_fn"]
-        name = getattr(inspect.unwrap(fn), "__qualname__", repr(fn))
+        fn = inspect.unwrap(fns["dispatch_fn"] if reader is None else source_fns["collect_fn"])
+        if isinstance(fn, functools.partial):  # a mesh's: dispatch_nd_compute_dataproto('actor')
+            name = f"{getattr(fn.func, '__qualname__', fn.func)}({', '.join(map(repr, fn.args))})"
+        else:
+            name = getattr(fn, "__qualname__", repr(fn))
         side = "dispatch function" if reader is None else "collect function of the call that made it"
         return (
             f"{where} reads {label} through a {side} step plans do not know ({name}), so a replay "
@@ -174,7 +178,8 @@ def no_edge(where: str, label: str, source_fns: dict, fns: dict) -> str:
         return f"{where} reads more than its own rank's part of {label} ({why})"
     if source == "rank zero":
         return (
-            f"{where} reads more than its own rank's part of {label} (its mode collects rank 0's output only)"
+            f"{where} reads more than its own rank's part of {label} (the call that made it collects "
+            "rank 0's output only)"
         )
     if source == "list":
         return (

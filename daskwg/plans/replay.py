@@ -66,10 +66,11 @@ class CompiledReplay:
                     source_entries, pad = placed[v._index]
                     if pad:
                         source = step._ops[v._index]
+                        rows = "row" if pad == 1 else "rows"
                         return None, (
-                            f"the batch given to {source.group._name}.{source.method} was padded this time "
-                            f"({pad} row{'s' if pad > 1 else ''} of padding to cut it into {source.group.world_size} equal parts), "
-                            f"and {op.group._name}.{op.method} reads its output"
+                            f"the batch given to {source.group._name}.{source.method} was padded this "
+                            f"time ({pad} {rows} of padding to cut it into {source.group.world_size} equal "
+                            f"parts), and {op.group._name}.{op.method} reads its output"
                         )
                 payloads = [
                     (

@@ -254,7 +254,10 @@ class StepPlan:
             if rows is None:
                 return f"replay {self.replays} gave {where} no batch (DataProto, TensorDict) to count rows of"
             if rows % n:
-                return f"the batch of replay {self.replays} given to {where} had {rows} rows on {n} ranks, and was padded"
+                return (
+                    f"the batch of replay {self.replays} given to {where} had {rows} rows on {n} ranks, "
+                    "and was padded"
+                )
             rows_in[i] = rows // n
         return None
 
@@ -339,8 +342,8 @@ class StepPlan:
             inside = [v for v in produced if not any(v is t for t in top)]
             if inside:
                 return (
-                    f"{where} gets {inside[0]._label} inside a list, tuple or dict: a replay hands a rank its "
-                    "part of an earlier call's output only as a whole argument"
+                    f"{where} gets {inside[0]._label} inside a list, tuple or dict: a replay hands a "
+                    "rank its part of an earlier call's output only as a whole argument"
                 )
             others = [t for t in top if not any(t is v for v in produced)]
             if others:
@@ -361,8 +364,8 @@ class StepPlan:
                 ):
                     if call.registered.execute_mode == Execute.RANK_ZERO:
                         return (
-                            f"{who} runs on rank 0 only (Execute.RANK_ZERO): a replay hands a rank its part of "
-                            "an earlier call's output only between calls that run on every rank"
+                            f"{who} runs on rank 0 only (Execute.RANK_ZERO): a replay hands a rank its "
+                            "part of an earlier call's output only between calls that run on every rank"
                         )
                 how = edge(kinds[value._index], fns)
                 if how is None:
@@ -405,10 +408,10 @@ def plan(name: str = "step", *, compiled: bool = True) -> Iterator[StepPlan]:
     padded batch, a future among the inputs, a role group) it makes the calls one by one;
     ``StepPlan.route`` says which and why. ``daskwg.verl``'s groups replay as native ones
     do, verl's ``DataProto`` and verl's ``ALL_TO_ALL`` rule (split when every argument is
-    a list of ``world_size`` entries, else every rank gets all of them) included. A restarted group is replayed on its new ranks;
-    a shut-down or broken one raises ``GroupBrokenError`` before anything is sent. Ray's
-    Compiled Graphs (``InputNode``, ``bind``, ``experimental_compile``, ``execute``) are
-    the same idea for actor calls.
+    a list of ``world_size`` entries, else every rank gets all of them) included. A
+    restarted group is replayed on its new ranks; a shut-down or broken one raises
+    ``GroupBrokenError`` before anything is sent. Ray's Compiled Graphs (``InputNode``,
+    ``bind``, ``experimental_compile``, ``execute``) are the same idea for actor calls.
 
     Args:
         name: the step's name, in messages.
