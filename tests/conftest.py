@@ -13,6 +13,7 @@ import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 from daskwg.plugin.ports import reserve_port
+from daskwg.transport.streams import CallStreams
 
 # Worker processes import the test modules' Worker classes by reference.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -80,6 +81,29 @@ def fresh_cluster4():
     """A 4-worker cluster of its own, for tests that kill or break workers."""
     with process_cluster(4) as cluster, Client(cluster) as client:
         yield cluster, client
+
+
+@pytest.fixture
+def messages(monkeypatch):
+    """How many messages the driver writes on its call streams (our own code, counted): the
+    step-plan tests check a replay is one message per worker with it."""
+    sent = {"n": 0}
+    original = CallStreams.send
+
+    async def counting(self, *args, **kwargs):
+        sent["n"] += 1
+        return await original(self, *args, **kwargs)
+
+    original_now = CallStreams.send_now
+
+    def counting_now(self, *args, **kwargs):  # written by the calling thread itself
+        written = original_now(self, *args, **kwargs)
+        sent["n"] += written
+        return written
+
+    monkeypatch.setattr(CallStreams, "send", counting)
+    monkeypatch.setattr(CallStreams, "send_now", counting_now)
+    return sent
 
 
 def gpu_spec_cluster(devices: list[str], **worker_options) -> SpecCluster:

@@ -29,28 +29,6 @@ def wg(cluster4):
         yield group
 
 
-@pytest.fixture
-def messages(monkeypatch):
-    """How many messages the driver writes on its call streams (our own code, counted)."""
-    sent = {"n": 0}
-    original = CallStreams.send
-
-    async def counting(self, *args, **kwargs):
-        sent["n"] += 1
-        return await original(self, *args, **kwargs)
-
-    original_now = CallStreams.send_now
-
-    def counting_now(self, *args, **kwargs):  # written by the calling thread itself
-        written = original_now(self, *args, **kwargs)
-        sent["n"] += written
-        return written
-
-    monkeypatch.setattr(CallStreams, "send", counting)
-    monkeypatch.setattr(CallStreams, "send_now", counting_now)
-    return sent
-
-
 def _batch(rows: int) -> DataProto:
     return DataProto.from_dict(
         tensors={"prompts": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)}

@@ -61,6 +61,7 @@ __all__ = [
     "dispatch_nd_compute_dataproto",
     "dispatch_one_to_all",
     "make_nd_compute_dataproto_dispatch_fn",
+    "split_or_broadcast",
 ]
 
 
@@ -417,6 +418,17 @@ def dispatch_all_to_all(
     n = worker_group.world_size
     check_per_rank("ALL_TO_ALL", n, args, kwargs, _ONE_TO_ALL_HINT.format(n=n))
     return tuple(list(arg) for arg in args), {key: list(value) for key, value in kwargs.items()}
+
+
+def split_or_broadcast(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """A dispatch function with verl's ``execute_all`` rule (what verl's ``ALL_TO_ALL``
+    amounts to): arguments that are all lists of ``world_size`` entries are split one per
+    rank, any others go to every rank as given. ``execute_all_*`` and ``daskwg.verl``'s
+    groups use it."""
+    n = worker_group.world_size
+    if all(isinstance(v, list) and len(v) == n for v in (*args, *kwargs.values())):
+        return dispatch_all_to_all(worker_group, *args, **kwargs)
+    return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
 def collect_all_to_all(worker_group: Any, outputs: list[Any]) -> list[Any]:

@@ -20,24 +20,13 @@ from distributed import Future
 
 from .. import plans
 from ..dispatch.calling import collect, cut
-from ..dispatch.modes import dispatch_all_to_all, dispatch_one_to_all
+from ..dispatch.modes import split_or_broadcast
 from ..dispatch.register import Execute, RegisteredMethod, get_predefined_dispatch_fn, get_registered_method
 
 __all__ = ["BoundGroup", "split_or_broadcast"]
 
 #: Attributes of a group that no registered method may shadow.
 RESERVED = frozenset({"_dispatch_info", "_collect_info", "_client", "_slots", "_methods", "_cls", "_name"})
-
-
-def split_or_broadcast(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-    """A dispatch function with verl's ``execute_all`` rule (what verl's ``ALL_TO_ALL``
-    amounts to): arguments that are all lists of ``world_size`` entries are split one per
-    rank, any others go to every rank as given. ``execute_all_*`` and ``daskwg.verl``'s
-    groups use it."""
-    n = worker_group.world_size
-    if all(isinstance(v, list) and len(v) == n for v in (*args, *kwargs.values())):
-        return dispatch_all_to_all(worker_group, *args, **kwargs)
-    return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
 class BoundGroup:

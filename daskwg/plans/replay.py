@@ -65,7 +65,13 @@ class CompiledReplay:
                 for v in top:
                     source_entries, pad = placed[v._index]
                     if pad:
-                        return None, f"{step._ops[v._index].label} was padded this time"
+                        source = step._ops[v._index]
+                        rows = "row" if pad == 1 else "rows"
+                        return None, (
+                            f"the batch given to {source.group._name}.{source.method} was padded this "
+                            f"time ({pad} {rows} of padding to cut it into {source.group.world_size} equal "
+                            f"parts), and {op.group._name}.{op.method} reads its output"
+                        )
                 payloads = [
                     (
                         tuple(self._slot(a, r, i) for a in op.args),

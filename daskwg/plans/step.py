@@ -21,7 +21,7 @@ from typing import Any
 from ..config import Settings
 from ..dispatch.register import Execute, RegisteredMethod
 from ..transport.planned import PlanPath
-from .recorded import Op, PlanValue, batch_rows, edge, substitute, walk
+from .recorded import Op, PlanValue, batch_rows, edge, no_edge, substitute, walk
 from .replay import CompiledReplay
 
 __all__ = ["PlanValue", "StepPlan", "plan", "recording"]
@@ -64,6 +64,8 @@ class StepPlan:
         self._rows_producers: set[int] = set()
         self._ratios: dict[int, Fraction] | None = None
         self._learning: tuple[dict[int, Any], dict[int, int]] | None = None
+        #: why the replays made call by call so far learnt no rows (``None``: none was made)
+        self._unlearnt: str | None = None
         self._edges: dict[tuple[int, int], bool] = {}  # (call, reader) -> a rows edge
 
     def __repr__(self) -> str:
@@ -213,18 +215,23 @@ class StepPlan:
                 return result
         self.route = f"call by call ({reason})"
         values: dict[int, Any] = {}
-        rows_in: dict[int, int] = {}
-        result = self._run_calls(inputs, values, rows_in)
+        rows_in: dict[int, int | None] = {}
         learnable = self._static is None and self._ratios is None and self._learning is None
-        if learnable and len(rows_in) == len(self._value_producers()):
-            self._learning = ({i: values[i] for i in self._rows_producers}, rows_in)
+        if learnable:
+            self._unlearnt = f"replay {self.replays}, made call by call to learn them, raised"
+        result = self._run_calls(inputs, values, rows_in)
+        if learnable:
+            self._unlearnt = self._unlearnable(rows_in)
+            if self._unlearnt is None:
+                self._learning = ({i: values[i] for i in self._rows_producers}, rows_in)
         return result
 
     __call__ = run
 
-    def _run_calls(self, inputs: dict, values: dict[int, Any], rows_in: dict[int, int]) -> Any:
+    def _run_calls(self, inputs: dict, values: dict[int, Any], rows_in: dict[int, int | None]) -> Any:
         """The recorded calls one by one; ``values`` gets every op's value, ``rows_in`` the
-        rows per rank of the batches that rows-producing calls cut from the step's inputs."""
+        rows of the batches that rows-producing calls cut from the step's inputs (``None``:
+        no batch among the arguments)."""
         for i, op in enumerate(self._ops):
             if op.group is None:
                 values[i] = inputs[op.label[7:-1]]
@@ -232,11 +239,27 @@ class StepPlan:
             args = substitute(op.args, values)
             kwargs = substitute(op.kwargs, values)
             if i in self._value_producers():
-                rows = batch_rows((args, kwargs))
-                if rows is not None and rows % op.group.world_size == 0:
-                    rows_in[i] = rows // op.group.world_size
+                rows_in[i] = batch_rows((args, kwargs))
             values[i] = op.group._call_registered(op.method, op.registered, *args, **kwargs)
         return substitute(self._outputs, values)
+
+    def _unlearnable(self, rows_in: dict[int, int | None]) -> str | None:
+        """Why a replay made call by call whose rows-producing calls got ``rows_in`` rows
+        cannot teach the rows of each stage (``None``: it can); makes ``rows_in`` rows per
+        rank."""
+        for i in sorted(rows_in):
+            op = self._ops[i]
+            rows, n = rows_in[i], op.group.world_size
+            where = f"{op.group._name}.{op.method}"
+            if rows is None:
+                return f"replay {self.replays} gave {where} no batch (DataProto, TensorDict) to count rows of"
+            if rows % n:
+                return (
+                    f"the batch of replay {self.replays} given to {where} had {rows} rows on {n} ranks, "
+                    "and was padded"
+                )
+            rows_in[i] = rows // n
+        return None
 
     def _value_producers(self) -> set[int]:
         """Rows-producing ops cut from the step's inputs (not reading an earlier call)."""
@@ -255,7 +278,9 @@ class StepPlan:
         call returns per row it gets (``None``: learnt, replays may take the one-message
         route; else why not yet)."""
         if self._learning is None:
-            return "the first replay learns the rows of each stage"
+            if self._unlearnt is None:
+                return "the first replay learns the rows of each stage"
+            return f"no replay has learnt the rows of each stage yet: {self._unlearnt}"
         outputs, rows_in = self._learning
         parts = {i: list(getattr(out, "futures", ())) for i, out in outputs.items()}
         some = self._ops[next(iter(parts))].group
@@ -276,6 +301,7 @@ class StepPlan:
                 for i, fs in parts.items()
             }
         except Exception as exc:  # noqa: BLE001 - a failed call, a lost worker: learn next time
+            self._unlearnt = f"learning them failed ({type(exc).__name__}: {exc})"
             return f"learning the rows of each stage failed ({type(exc).__name__}: {exc})"
         ratios: dict[int, Fraction] = {}
         rows_out: dict[int, int] = {}
@@ -289,6 +315,7 @@ class StepPlan:
             before = rows_in[i] if not sources else rows_out[sources[0]]
             rows_out[i] = got.pop()
             if not before:
+                self._unlearnt = f"{where} got no rows in the replay that was to teach them"
                 return f"{where} got no rows"
             ratios[i] = Fraction(rows_out[i], before)
         self._ratios = ratios
@@ -312,20 +339,43 @@ class StepPlan:
             if not produced:
                 continue
             top = [*op.args, *op.kwargs.values()]
-            if len(produced) != len(top) or any(v is not t for v, t in zip(produced, top)):
-                return f"{where} mixes earlier calls' outputs with other arguments"
+            inside = [v for v in produced if not any(v is t for t in top)]
+            if inside:
+                return (
+                    f"{where} gets {inside[0]._label} inside a list, tuple or dict: a replay hands a "
+                    "rank its part of an earlier call's output only as a whole argument"
+                )
+            others = [t for t in top if not any(t is v for v in produced)]
+            if others:
+                what = (
+                    others[0]._label if isinstance(others[0], PlanValue) else f"a {type(others[0]).__name__}"
+                )
+                return (
+                    f"{where} mixes earlier calls' outputs with other arguments ({what}): a replay hands "
+                    "a rank its part of earlier calls' outputs only when they are all of its arguments"
+                )
             for value in produced:
                 source = self._ops[value._index]
                 if source.group is not op.group:
                     return f"{where} reads an output of another group ({source.group._name})"
-                if Execute.RANK_ZERO in (op.registered.execute_mode, source.registered.execute_mode):
-                    return f"{where} or the call before it runs on rank 0 only"
+                for call, who in (
+                    (op, f"{where}, which reads {source.label},"),
+                    (source, f"{source.group._name}.{source.method}, whose output {where} reads,"),
+                ):
+                    if call.registered.execute_mode == Execute.RANK_ZERO:
+                        return (
+                            f"{who} runs on rank 0 only (Execute.RANK_ZERO): a replay hands a rank its "
+                            "part of an earlier call's output only between calls that run on every rank"
+                        )
                 how = edge(kinds[value._index], fns)
                 if how is None:
-                    return f"{where} reads more than its own rank's part of {source.label}"
+                    return no_edge(where, source.label, kinds[value._index], fns)
                 if how == "rows":
                     if source.registered.blocking:
-                        return f"{where} reads the rows of a blocking call's output ({source.label})"
+                        return (
+                            f"{where} reads the rows of {source.label}, a blocking call's: a plan learns "
+                            "how many rows each rank's part has from a blocking=False call's futures"
+                        )
                     self._rows_producers.add(value._index)
         return None
 
@@ -356,10 +406,12 @@ def plan(name: str = "step", *, compiled: bool = True) -> Iterator[StepPlan]:
     such stage returns per row; a later replay whose rows differ fails with a
     ``RankError`` saying so). Otherwise (another group's output, every rank's parts, a
     padded batch, a future among the inputs, a role group) it makes the calls one by one;
-    ``StepPlan.route`` says which and why. A restarted group is replayed on its new ranks;
-    a shut-down or broken one raises ``GroupBrokenError`` before anything is sent. Ray's
-    Compiled Graphs (``InputNode``, ``bind``, ``experimental_compile``, ``execute``) are
-    the same idea for actor calls.
+    ``StepPlan.route`` says which and why. ``daskwg.verl``'s groups replay as native ones
+    do, verl's ``DataProto`` and verl's ``ALL_TO_ALL`` rule (split when every argument is
+    a list of ``world_size`` entries, else every rank gets all of them) included. A
+    restarted group is replayed on its new ranks; a shut-down or broken one raises
+    ``GroupBrokenError`` before anything is sent. Ray's Compiled Graphs (``InputNode``,
+    ``bind``, ``experimental_compile``, ``execute``) are the same idea for actor calls.
 
     Args:
         name: the step's name, in messages.

@@ -3,6 +3,7 @@ and ``RayWorkerGroup`` (verl's ``verl.single_controller.ray.base``), with verl's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
@@ -10,10 +11,9 @@ from typing import Any
 from distributed import Client, get_client
 
 from .. import foreign
-from ..dispatch.modes import collect_all_to_all
+from ..dispatch.modes import collect_all_to_all, split_or_broadcast
 from ..dispatch.register import Dispatch, Execute, RegisteredMethod, get_predefined_dispatch_fn
 from ..futures.future import DataProtoFuture
-from ..groups.binding import split_or_broadcast
 from ..groups.colocate import ColocatedWorker
 from ..groups.colocate import create_colocated_worker_cls as _create_colocated
 from ..groups.group import WorkerGroup
@@ -282,7 +282,15 @@ class RayWorkerGroup(WorkerGroup):
         else:
             fns = super()._dispatch_fns(registered)
         collect = fns["collect_fn"]
-        return {**fns, "collect_fn": lambda group, outputs: _as_verl_future(collect(group, outputs))}
+
+        # functools.wraps sets __wrapped__: step plans (daskwg.plans.recorded) see the mode's
+        # own collect function through it, so they read its output rank by rank as on a
+        # native group.
+        @functools.wraps(collect)
+        def collect_fn(group: Any, outputs: list[Any]) -> Any:
+            return _as_verl_future(collect(group, outputs))
+
+        return {**fns, "collect_fn": collect_fn}
 
 
 def _as_verl_future(result: Any) -> Any:
