@@ -191,7 +191,7 @@ def test_a_call_whose_cancel_overtook_it_is_refused_and_its_place_given_up():
     # The cancel and the call reach the worker on different connections, in either order.
     executor = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        sequencer = Sequencer(executor)
+        sequencer = Sequencer(lambda session: executor)  # one executor for every session
         sequencer.cancel("session", 0)
         cancelled = sequencer.submit("session", 0, lambda: "ran")
         later = sequencer.submit("session", 1, lambda: os.getpid())
