@@ -120,7 +120,7 @@ class Sequencer:
         its place is given up (later calls go on) and, unlike a :meth:`skip`, the call is
         refused if it still comes (the cancel and the call travel on different connections)."""
         with self._lock:
-            state = self._sessions.setdefault(session, _Session(session))
+            state = self._state(session)
             if seq >= state.next_seq and seq not in state.pending:
                 state.cancelled.add(seq)
                 state.skipped.add(seq)
