@@ -2210,6 +2210,22 @@ DISCUSSION = """\
   For Ray that includes starting one actor process per rank (that is what a
   `RayWorkerGroup` is); Dask workers already exist and the group instantiates the class
   inside them. Starting the runtime itself is listed separately.
+* Sharded weight sync (`--rows sharded-sync`, measured once): 4 Dask workers / Ray actors
+  hold a state dict sharded as FSDP2 shards it (every tensor `Shard(0)` on a 1-D mesh; the
+  daskwg trainer ranks hold real DTensors on a gloo mesh), 4 more are the rollout ranks,
+  each ending with the full weights. daskwg: `daskwg.sync.send_shards` on every trainer rank
+  and `receive_shards` on every rollout rank, 16 MiB buckets, checked by comparing each
+  trainer rank's sha256 of its shards with each rollout rank's sha256 of the slices it
+  filled. verl's route on Ray: trainer rank 0 holds the full state dict (the FSDP
+  full-state-dict gather that puts it there is not timed, which favours verl) and returns
+  it as an ObjectRef that every rollout actor resolves and copies into its tensors. The
+  floor: one point-to-point transfer of the whole state dict (loopback TCP into fresh
+  memory, in the daskwg child before its cluster starts). Two state dicts: the shapes of
+  `examples/grpo_llm.py`'s Qwen2 (0.29 MiB; n/a without transformers) and a synthetic one
+  of 512 MiB in 32 tensors. Egress: the TCP bytes a trainer rank's process sent during the
+  sync ÷ its shard; peak RSS growth: polled every millisecond on every rank during the sync,
+  the largest over the trainer ranks and over the rollout ranks, against the bucket. Medians
+  of 2 syncs after a warm-up.
 * The main job's step: `examples/grpo.py` (colocated, 4 ranks, its own local cluster,
   checkpoints off) for `GRPO_STEPS` steps, once as it is (the step's calls one by one)
   and once with `--plan` (the step recorded once and replayed), each as printed by the
@@ -2225,7 +2241,8 @@ TARGETS_TEXT = (
     "transfer with egress ≤ 1.25×. Measured once: small-call latency at 4 ranks ≤ 0.5× verl; 64 MiB "
     "and 256 MiB round trips ≤ 0.25×; chain ≤ 0.25× with none of the batch passing through the "
     "driver; group creation ≤ 1.0×; driver peak RSS growth ≤ 2.5× the batch during the 256 MiB "
-    "round trip."
+    "round trip. Issue 45: sharded weight sync ≤ 1.0× one point-to-point transfer of the whole model "
+    "and ≤ 0.5× verl's route, in the same run."
 )
 
 
