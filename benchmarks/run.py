@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -93,7 +94,7 @@ ROW_REPS = {
 # new arrive), so a steady state holds two sets; until both exist, every set lands in
 # memory the process never had. Both systems get the same warm-up.
 WEIGHT_WARMUPS = 2
-ONCE = ("timings", "rss", "grpo", "scale")  # measured once, after the runs
+ONCE = ("timings", "rss", "grpo", "scale", "sharded-sync")  # measured once, after the runs
 GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
 ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
@@ -1290,6 +1291,315 @@ def run_rss_child(name: str, n: int) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------- sharded weight sync
+
+# The sharded-sync row (measured once): a state dict sharded over SHARDED_RANKS trainer ranks
+# (FSDP2's layout: every tensor Shard(0) on a 1-D mesh) reaching SHARDED_RANKS rollout ranks,
+# each of which ends with the full weights. Two state dicts: the example's model
+# (examples/grpo_llm.py's Qwen2, its state dict's shapes) and a synthetic one of
+# SHARDED_BYTES in SHARDED_TENSORS float32 tensors.
+SHARDED_BYTES = 512 * MB
+SHARDED_TENSORS = 32
+SHARDED_RANKS = 4
+SHARDED_BUCKET = 16 * MB  # daskwg.sync.DEFAULT_BUCKET_BYTES
+SHARDED_REPS = 2  # timed syncs per route and state dict, after one warm-up
+SHARDED_WORKERS = 2 * SHARDED_RANKS
+
+
+def sharded_state_dicts() -> dict[str, Any]:
+    """name -> ``[(tensor name, full shape)]`` of the state dicts of the sharded-sync row, or
+    a string saying why a state dict is not available."""
+    cols = 1024
+    rows = SHARDED_BYTES // SHARDED_TENSORS // 4 // cols
+    out: dict[str, Any] = {
+        f"synthetic {SHARDED_BYTES // MB} MiB": [
+            (f"layer{i}.weight", (rows, cols)) for i in range(SHARDED_TENSORS)
+        ]
+    }
+    try:
+        import torch
+
+        sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+        import grpo_llm
+
+        with torch.device("meta"):
+            model = grpo_llm.build_model(grpo_llm.LLMConfig(), torch.device("meta"))
+        shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+        nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
+        out[f"examples/grpo_llm.py's Qwen2 ({nbytes / MB:.2f} MiB)"] = shapes
+    except ImportError as exc:
+        out["examples/grpo_llm.py's Qwen2"] = f"needs transformers ({exc})"
+    return out
+
+
+def _chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of ``rank``'s Shard(0) piece: ``torch.chunk``'s split, as FSDP2's."""
+    per = -(-rows // ranks)
+    first = min(rank * per, rows)
+    return first, max(0, min(per, rows - first))
+
+
+def make_shard_class(Worker: type, register: Any, Dispatch: Any, Execute: Any) -> type:
+    """The worker of the sharded-sync row, on one system's API: a trainer rank holds its
+    Shard(0) pieces (daskwg: as DTensors on a gloo mesh of the trainer ranks) or, on verl's
+    route, rank 0 the full state dict; a rollout rank holds full tensors it loads into."""
+    import torch
+
+    class ShardWorker(Worker):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def net(self):
+            return tcp_bytes()
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def hold(self, shapes, layout, backend="gloo"):
+            """``layout``: "dtensor" (this rank's Shard(0) pieces as DTensors on a 1-D mesh of
+            the group's ranks, over ``backend``), "full" (the whole state dict: a rollout rank,
+            or verl's trainer rank 0). With nccl the tensors are on the rank's GPU."""
+            self.state = {}
+            device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+            if layout == "dtensor":
+                import torch.distributed as dist
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor import DTensor, Shard
+
+                if not dist.is_initialized():
+                    dist.init_process_group(backend)
+                mesh = init_device_mesh(device.type, (self.world_size,))
+                for name, shape in shapes:
+                    _, rows = _chunk_rows(shape[0], self.world_size, self.rank)
+                    local = torch.zeros((rows, *shape[1:]), device=device)
+                    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+                    self.state[name] = DTensor.from_local(
+                        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride
+                    )
+            elif layout == "full":
+                self.state = {name: torch.zeros(shape, device=device) for name, shape in shapes}
+            return sum(
+                v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes for v in self.state.values()
+            )
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def bump(self, version):
+            # A new version in place, as an optimizer step changes every parameter.
+            for v in self.state.values():
+                local = v.to_local() if hasattr(v, "to_local") else v
+                local.fill_(float(version))
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        def send(self, group_name, senders, bucket):
+            from daskwg import sync
+
+            tx0 = tcp_bytes()[1]
+            with PeakRSS() as mem:
+                report = sync.send_shards(self.state, group_name, senders=senders, bucket_bytes=bucket)
+            return {
+                "tx": tcp_bytes()[1] - tx0,
+                "shard": report.shard_bytes,
+                "growth": mem.peak - mem.baseline,
+                "digest": sync.shard_digest(self.state, self.rank),
+            }
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        def receive(self, group_name, senders):
+            from daskwg import sync
+
+            with PeakRSS() as mem:
+                sync.receive_shards(self.state, group_name, senders=senders)
+            return {
+                "growth": mem.peak - mem.baseline,
+                "digests": sync.assembled_digests(self.state, group_name),
+            }
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+        def get_full(self):
+            from tensordict import TensorDict
+
+            return TensorDict(self.state, batch_size=[])
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def load_full(self, weights):
+            with PeakRSS() as mem:
+                for name, value in weights.items():
+                    self.state[name].copy_(value)
+                versions = {float(v.view(-1)[0]) for v in self.state.values()}
+                versions |= {float(v.view(-1)[-1]) for v in self.state.values()}
+            return {"versions": sorted(versions), "growth": mem.peak - mem.baseline}
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def drop(self):
+            self.state = {}
+
+    return ShardWorker
+
+
+def _sharded_daskwg(system, shapes, trainer, rollout, name: str, backend: str) -> dict:
+    d = system.daskwg
+    trainer.hold(shapes, "dtensor", backend)
+    rollout.hold(shapes, "full", backend)
+    group = d.create_collective_group([trainer, rollout], name=name, backend=backend)
+    times, egress, t_growth, r_growth = [], [], [], []
+    try:
+        for rep in range(SHARDED_REPS + 1):
+            trainer.bump(rep + 1)
+            t = time.perf_counter()
+            sent, got = d.get(
+                [
+                    trainer.send(name, trainer.world_size, SHARDED_BUCKET),
+                    rollout.receive(name, trainer.world_size),
+                ]
+            )
+            elapsed = time.perf_counter() - t
+            digests = [s["digest"] for s in sent]
+            if any(g["digests"] != digests for g in got):
+                raise AssertionError(
+                    f"sharded sync {name}: a rollout rank's weights differ from the trainer's"
+                )
+            if rep:
+                times.append(elapsed)
+                egress.append(max(s["tx"] / max(s["shard"], 1) for s in sent))
+                t_growth.append(max(s["growth"] for s in sent))
+                r_growth.append(max(g["growth"] for g in got))
+    finally:
+        group.destroy()
+        trainer.drop()
+        rollout.drop()
+    return {"times": times, "egress": egress, "trainer_growth": t_growth, "rollout_growth": r_growth}
+
+
+def _sharded_verl(system, shapes, trainer, rollout) -> dict:
+    # verl's route: the full state dict on trainer rank 0 (FSDP's full_state_dict gather,
+    # not timed here), returned as an ObjectRef that every rollout actor resolves.
+    trainer.hold(shapes, "full")  # every trainer actor holds it; only rank 0's is used
+    rollout.hold(shapes, "full")
+    nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
+    times, egress, r_growth = [], [], []
+    try:
+        for rep in range(SHARDED_REPS + 1):
+            trainer.bump(rep + 1)
+            tx0 = trainer.net()[0][1]
+            t = time.perf_counter()
+            out = rollout.load_full(trainer.get_full())
+            elapsed = time.perf_counter() - t
+            _expect({tuple(o["versions"]) for o in out}, {(float(rep + 1),)}, "verl route")
+            if rep:
+                times.append(elapsed)
+                egress.append((trainer.net()[0][1] - tx0) / (nbytes / trainer.world_size))
+                r_growth.append(max(o["growth"] for o in out))
+    finally:
+        trainer.drop()
+        rollout.drop()
+    return {"times": times, "egress": egress, "rollout_growth": r_growth}
+
+
+def run_sharded_child(name: str, backend: str = "gloo") -> dict:
+    """The sharded-sync row on one system: every state dict of :func:`sharded_state_dicts`,
+    ``SHARDED_RANKS`` trainer ranks to as many rollout ranks; with daskwg also the floor
+    (one point-to-point transfer of the whole state dict, loopback TCP into fresh memory).
+    ``backend``: daskwg's collective, "gloo" (CPU tensors) or "nccl" (GPU tensors, one GPU
+    per worker: ``benchmarks/gpu_check.py``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    dicts = sharded_state_dicts()
+    result: dict[str, Any] = {"cases": {}, "na": {}, "bucket": SHARDED_BUCKET}
+    if name == "daskwg":
+        import floors
+
+        for case, shapes in dicts.items():
+            if isinstance(shapes, list):
+                nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
+                result.setdefault("p2p", {})[case] = floors.tcp_transfer(
+                    nbytes, SHARDED_REPS + 1, fresh=True
+                )[1:]
+    system = SYSTEMS[name]()
+    system.start(SHARDED_WORKERS, slots=SHARDED_WORKERS)
+    cls = make_shard_class(*(system.api()[i] for i in (0, 1, 2, 4)))
+    if name == "verl":
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+        remote = system.ray.remote(cls)
+        pools = system.split_pool([SHARDED_RANKS, SHARDED_RANKS])
+        trainer, rollout = (RayWorkerGroup(p, RayClassWithInitArgs(cls=remote)) for p in pools)
+    else:
+        pools = system.split_pool([SHARDED_RANKS, SHARDED_RANKS])
+        trainer, rollout = (
+            system.daskwg.WorkerGroup(system.client, system.daskwg.ClassWithInitArgs(cls), workers=p)
+            for p in pools
+        )
+    result["versions"] = system.versions()
+    for i, (case, shapes) in enumerate(dicts.items()):
+        if not isinstance(shapes, list):
+            result["na"][case] = shapes
+            continue
+        nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
+        t = time.perf_counter()
+        if name == "daskwg":
+            got = _sharded_daskwg(system, shapes, trainer, rollout, f"bench-shards-{i}", backend)
+        else:
+            got = _sharded_verl(system, shapes, trainer, rollout)
+        result["cases"][case] = {**got, "bytes": nbytes}
+        print(f"[bench]   {name} sharded-sync {case}: {time.perf_counter() - t:.1f} s", flush=True)
+    for wg in (trainer, rollout):
+        system.close_group(wg)
+    for pool in pools:
+        system.close_pool(pool)
+    system.stop()
+    return result
+
+
+def build_sharded_report(res: dict) -> tuple[str, dict]:
+    """The sharded-sync table: per state dict, daskwg's sharded sync, verl's Ray route and the
+    point-to-point floor, side by side (one run, medians of ``SHARDED_REPS`` syncs)."""
+    d, v = res.get("daskwg") or {}, res.get("verl") or {}
+    bucket = d.get("bucket", SHARDED_BUCKET)
+    lines = [
+        f"| sharded weight sync, {SHARDED_RANKS} trainer ranks → {SHARDED_RANKS} rollout ranks | route | time | "
+        "÷ one p2p transfer of the whole model | ÷ verl's route | egress per trainer rank ÷ its shard | "
+        f"peak RSS growth per rank (trainer; rollout) | met (≤ 1.0× p2p, ≤ 0.5× verl) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = {}
+    cases = list(dict.fromkeys([*d.get("cases", {}), *v.get("cases", {}), *d.get("na", {})]))
+    for case in cases:
+        if case in d.get("na", {}):
+            lines.append(f"| {case} | | n/a: {d['na'][case]} | | | | | |")
+            continue
+        dc, vc = d.get("cases", {}).get(case), v.get("cases", {}).get(case)
+        p2p = d.get("p2p", {}).get(case)
+        p2p_s = statistics.median(p2p) if p2p else None
+        ds = statistics.median(dc["times"]) if dc else None
+        vs = statistics.median(vc["times"]) if vc else None
+        if ds is not None:
+            over_p2p = ds / p2p_s if p2p_s else None
+            over_verl = ds / vs if vs else None
+            met = None if over_p2p is None or over_verl is None else over_p2p <= 1.0 and over_verl <= 0.5
+            verdicts[f"sharded sync {case}: ≤ 1.0× p2p, ≤ 0.5× verl"] = met
+            growth = (
+                f"{fmt_b(max(dc['trainer_growth']))} ({max(dc['trainer_growth']) / bucket:.2f}× the "
+                f"{fmt_b(bucket)} bucket); {fmt_b(max(dc['rollout_growth']))} "
+                f"({max(dc['rollout_growth']) / bucket:.2f}×)"
+            )
+            lines.append(
+                f"| {case} | daskwg `sync.send_shards` / `receive_shards` (each trainer rank its DTensor "
+                f"shards, chained along the rollout ranks) | {fmt_s(ds)} | "
+                f"{'n/a' if over_p2p is None else _x(over_p2p)} | {'n/a' if over_verl is None else _x(over_verl)} | "
+                f"{_x(max(dc['egress']))} (TCP) | {growth} | {_met_cell(met)} |"
+            )
+        if vs is not None:
+            lines.append(
+                f"| {case} | verl on Ray: the full state dict on trainer rank 0, an ObjectRef every rollout "
+                f"actor resolves (the gather to rank 0 not timed) | {fmt_s(vs)} | "
+                f"{_x(vs / p2p_s) if p2p_s else 'n/a'} | 1.00× | {_x(max(vc['egress']))} (TCP only: same-host "
+                f"Ray moves objects through shared memory) | –; {fmt_b(max(vc['rollout_growth']))} | |"
+            )
+        if p2p_s is not None:
+            lines.append(
+                f"| {case} | floor: one point-to-point transfer of the whole state dict (loopback TCP into "
+                f"fresh memory) | {fmt_s(p2p_s)} | 1.00× | | | | |"
+            )
+    return "\n".join(lines), verdicts
+
+
 # ----------------------------------------------------------------------- report
 
 
@@ -1783,7 +2093,13 @@ def build_grpo_report(grpo: dict) -> str:
 
 
 def assemble(
-    runs: list[dict], res: dict, rss: dict, grpo: dict | None = None, scaled: dict | None = None, plot=None
+    runs: list[dict],
+    res: dict,
+    rss: dict,
+    grpo: dict | None = None,
+    scaled: dict | None = None,
+    plot=None,
+    sharded: dict | None = None,
 ) -> tuple[str, dict]:
     """Every table of the report, in order, and every verdict. ``plot``: ``(path, reference)``
     of the scale rows' plot, written when the scale rows ran."""
@@ -1809,6 +2125,10 @@ def assemble(
         path, ref = plot or (None, None)
         table, v = scale.build_report(scaled, fmt_s, path, ref)
         parts += ["", "### Cost as the ranks grow (issue 46), and wide batches", "", table]
+        verdicts.update(v)
+    if sharded:
+        table, v = build_sharded_report(sharded)
+        parts += ["", "### Sharded weight sync (measured once)", "", table]
         verdicts.update(v)
     return "\n".join(parts), verdicts
 
@@ -1908,6 +2228,22 @@ DISCUSSION = """\
   For Ray that includes starting one actor process per rank (that is what a
   `RayWorkerGroup` is); Dask workers already exist and the group instantiates the class
   inside them. Starting the runtime itself is listed separately.
+* Sharded weight sync (`--rows sharded-sync`, measured once): 4 Dask workers / Ray actors
+  hold a state dict sharded as FSDP2 shards it (every tensor `Shard(0)` on a 1-D mesh; the
+  daskwg trainer ranks hold real DTensors on a gloo mesh), 4 more are the rollout ranks,
+  each ending with the full weights. daskwg: `daskwg.sync.send_shards` on every trainer rank
+  and `receive_shards` on every rollout rank, 16 MiB buckets, checked by comparing each
+  trainer rank's sha256 of its shards with each rollout rank's sha256 of the slices it
+  filled. verl's route on Ray: trainer rank 0 holds the full state dict (the FSDP
+  full-state-dict gather that puts it there is not timed, which favours verl) and returns
+  it as an ObjectRef that every rollout actor resolves and copies into its tensors. The
+  floor: one point-to-point transfer of the whole state dict (loopback TCP into fresh
+  memory, in the daskwg child before its cluster starts). Two state dicts: the shapes of
+  `examples/grpo_llm.py`'s Qwen2 (0.29 MiB; n/a without transformers) and a synthetic one
+  of 512 MiB in 32 tensors. Egress: the TCP bytes a trainer rank's process sent during the
+  sync ÷ its shard; peak RSS growth: polled every millisecond on every rank during the sync,
+  the largest over the trainer ranks and over the rollout ranks, against the bucket. Medians
+  of 2 syncs after a warm-up.
 * The main job's step: `examples/grpo.py` (colocated, 4 ranks, its own local cluster,
   checkpoints off) for `GRPO_STEPS` steps, once as it is (the step's calls one by one)
   and once with `--plan` (the step recorded once and replayed), each as printed by the
@@ -1923,7 +2259,8 @@ TARGETS_TEXT = (
     "transfer with egress ≤ 1.25×. Measured once: small-call latency at 4 ranks ≤ 0.5× verl; 64 MiB "
     "and 256 MiB round trips ≤ 0.25×; chain ≤ 0.25× with none of the batch passing through the "
     "driver; group creation ≤ 1.0×; driver peak RSS growth ≤ 2.5× the batch during the 256 MiB "
-    "round trip."
+    "round trip. Issue 45: sharded weight sync ≤ 1.0× one point-to-point transfer of the whole model "
+    "and ≤ 0.5× verl's route, in the same run."
 )
 
 
@@ -2000,12 +2337,13 @@ def _load() -> list[float]:
 
 def _quick() -> None:
     """Few repetitions and small sizes everywhere (a smoke test, not a measurement)."""
-    global PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES
+    global PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES, SHARDED_BYTES, SHARDED_REPS
     for reps in (REPS, ROW_REPS):
         for k in reps:
             reps[k] = max(1, reps[k] // 20)
     FLOOR_REPS.update(memcpy=2, tcp=2, rtt=50, rpc=20)
     PLANE_ROWS, VIEW_ELEMENTS, WEIGHT_BYTES, FLOOR_COPY_BYTES = 1024, 1 << 24, 32 * MB, 16 * MB
+    SHARDED_BYTES, SHARDED_REPS = 32 * MB, 1
 
 
 def _plot_target(args) -> tuple[str | None, str | None]:
@@ -2044,6 +2382,7 @@ def main() -> None:
         help="write the scale rows' plot here (default with --write: docs/img/scale.png)",
     )
     parser.add_argument("--rows-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--floors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
@@ -2064,6 +2403,8 @@ def main() -> None:
     elif args.child:
         if args.rows_child:
             result = run_rows_child(args.child, rows)
+        elif args.sharded:
+            result = run_sharded_child(args.child)
         elif args.rss:
             result = run_rss_child(args.child, max(ranks))
         elif args.scale:
@@ -2083,7 +2424,9 @@ def main() -> None:
         with open(args.from_json) as f:
             saved = json.load(f)
         runs, res, rss = saved.get("runs", []), saved.get("results", {}), saved.get("rss", {})
-        report, verdicts = assemble(runs, res, rss, saved.get("grpo"), saved.get("scale"), _plot_target(args))
+        report, verdicts = assemble(
+            runs, res, rss, saved.get("grpo"), saved.get("scale"), _plot_target(args), saved.get("sharded")
+        )
         print(report)
         if args.write:
             versions = collect_versions(runs, res)
@@ -2109,7 +2452,7 @@ def main() -> None:
             f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
         )
         runs.append(run)
-    res, rss, grpo, scaled = {}, {}, {}, {}
+    res, rss, grpo, scaled, sharded = {}, {}, {}, {}, {}
     if any(r in ONCE for r in rows):
         print(f"[bench] measured once: load average {_load()}", flush=True)
         passthrough = ["--ranks", args.ranks, *quick]
@@ -2127,6 +2470,10 @@ def main() -> None:
             steps = 4 if args.quick else GRPO_STEPS
             print(f"[bench] examples/grpo.py, {steps} steps, without and with --plan", flush=True)
             grpo = {"steps": steps, "calls": run_grpo(False, steps), "plan": run_grpo(True, steps)}
+        if "sharded-sync" in rows:
+            for name in systems:
+                print(f"[bench] {name}: sharded weight sync", flush=True)
+                sharded[name] = spawn(["--child", name, "--sharded", *quick])
         print(f"[bench] measured once: done, load average {_load()}", flush=True)
     mach = machine()
     wall = time.time() - t0
@@ -2139,6 +2486,7 @@ def main() -> None:
                     "rss": rss,
                     "grpo": grpo,
                     "scale": scaled,
+                    "sharded": sharded,
                     "machine": mach,
                     "wall_s": wall,
                 },
@@ -2157,8 +2505,10 @@ def main() -> None:
                     print(f"{name:7s} {key:28s} n/a ({reason})")
             for key, samples in res.get(name, {}).get("samples", {}).items():
                 print(f"{name:7s} {key:28s} {cell(samples)}")
+        if sharded:
+            print(build_sharded_report(sharded)[0])
         return
-    report, verdicts = assemble(runs, res, rss, grpo, scaled, _plot_target(args))
+    report, verdicts = assemble(runs, res, rss, grpo, scaled, _plot_target(args), sharded)
     print(report)
     print("\nmet:", verdicts)
     print(f"[bench] whole run {wall:.0f} s")

@@ -72,7 +72,10 @@ class LLMConfig:
 
     hidden: int = 64
     layers: int = 2
-    lr: float = 3e-3
+    # 1e-3, not grpo.py's 5e-3: at 3e-3 (32 prompts) the policy settled by step 20 on the
+    # answers' shape ("1 x <eos>") with a wrong ones digit it then sampled every time, and
+    # stayed near 0.6-0.7; at 1e-3 it keeps sampling other digits long enough to learn them.
+    lr: float = 1e-3
     kl_coef: float = 0.05  # verl: actor.kl_loss_coef (low_var_kl); see grpo.GRPOConfig for why not 0.001
     clip_ratio: float = 0.2
     ppo_epochs: int = 4  # verl: actor.ppo_epochs (as grpo.py)
@@ -80,6 +83,7 @@ class LLMConfig:
     grad_clip: float = 1.0
     temperature: float = 1.0
     bucket_bytes: int = 1 << 20
+    dtype: str = "float32"  # the weights' dtype on every rank ("bfloat16" on GPUs: gpu_check.py)
     seed: int = 0
 
 
@@ -107,7 +111,7 @@ def build_model(cfg: LLMConfig, device: torch.device):
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(model_config(cfg)).to(device)
+    return Qwen2ForCausalLM(model_config(cfg)).to(device=device, dtype=getattr(torch, cfg.dtype))
 
 
 def response_log_probs(model, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -137,7 +141,7 @@ class ActorRolloutRefWorker(daskwg.Worker):
         torch.set_num_threads(1)  # ranks share the machine's cores
         self.role, self.cfg = role, cfg
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def init_model(self) -> str:
         """Build the model (the actor: FSDP2-sharded, with the reference and AdamW).
         Returns the backend the actor's gradients are reduced over (``"none"`` on the rollout)."""
@@ -294,10 +298,40 @@ class ActorRolloutRefWorker(daskwg.Worker):
         return {**vars(report), "digest": weights.shard_digest(state, self.rank)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) this rank's process has used so far."""
+        return cpu_seconds()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def destroy_process_group(self) -> None:
         """Leave the process group (call before the group's ``shutdown()``)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) this process has used so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and every process below it
+    (with the local cluster: the scheduler, the ``dask worker`` nanny host and the workers).
+    Processes that already exited are not counted."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue  # exited meanwhile
+        total += times.user + times.system
+    return total
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -354,6 +388,7 @@ def build_groups(client, args: argparse.Namespace) -> Groups:
         kl_coef=args.kl_coef,
         ppo_epochs=args.ppo_epochs,
         bucket_bytes=int(args.bucket_mib * (1 << 20)),
+        dtype=args.dtype,
         seed=args.seed,
     )
     pool = daskwg.ResourcePool(client, world_size=args.world_size + args.rollout_world_size)
@@ -364,8 +399,10 @@ def build_groups(client, args: argparse.Namespace) -> Groups:
     rollout = daskwg.WorkerGroup(
         client, daskwg.ClassWithInitArgs(ActorRolloutRefWorker, "rollout", cfg), workers=rollout_pool
     )
-    backend = actor.init_model()[0]
-    rollout.init_model()
+    # Both groups import transformers and build their models at the same time: on a busy
+    # machine each process gets its own share of the cores, so two groups one after the
+    # other took twice as long.
+    backend = daskwg.get([actor.init_model(), rollout.init_model()])[0][0]
     sync = daskwg.create_collective_group([actor, rollout], name=SYNC, backend=backend)
     return Groups(actor=actor, rollout=rollout, sync=sync, backend=backend)
 
@@ -390,8 +427,9 @@ def run_step(groups: Groups, step: int, args: argparse.Namespace) -> dict[str, f
     }
 
 
-def fit(client, args: argparse.Namespace) -> int:
-    """Train; returns the exit status."""
+def fit(client, args: argparse.Namespace, started: float) -> int:
+    """Train; returns the exit status. ``started``: ``time.perf_counter()`` at the start of
+    ``main`` (the start-up it reports runs from there)."""
     from tqdm import tqdm
 
     groups = build_groups(client, args)
@@ -402,7 +440,15 @@ def fit(client, args: argparse.Namespace) -> int:
         f"{grpo.plural(groups.rollout.world_size, 'rank')}; first weight sync {first['sync_s'] * 1e3:.0f} ms"
     )
     history: list[dict[str, float]] = []
+
+    def used_cpu() -> float:
+        if not args.scheduler:
+            return tree_cpu_seconds()
+        return cpu_seconds() + sum(groups.actor.cpu_seconds()) + sum(groups.rollout.cpu_seconds())
+
+    startup_cpu = used_cpu()
     received, start = grpo.DriverBytes(), time.perf_counter()
+    startup_s, load_start = start - started, os.getloadavg()[0]
     reached = None
     refresh_s = 0.1 if sys.stderr.isatty() else 5.0
     try:
@@ -420,6 +466,7 @@ def fit(client, args: argparse.Namespace) -> int:
                     reached = (step + 1, time.perf_counter() - start)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}", refresh=False)
                 bar.update()
+        training_cpu = used_cpu() - startup_cpu
     finally:
         elapsed = time.perf_counter() - start
         groups.shutdown()
@@ -427,7 +474,19 @@ def fit(client, args: argparse.Namespace) -> int:
     window = history[-args.final_window :]
     final = sum(m["reward"] for m in window) / len(window)
     sync_ms = sorted(m["sync_s"] * 1e3 for m in history)
-    print(f"steps: {len(history)} run in {elapsed:.1f} s ({elapsed / len(history):.3f} s/step)")
+    print(f"start-up (cluster, imports, models, first sync): {startup_s:.1f} s")
+    print(
+        f"steps: {len(history)} run in {elapsed:.1f} s ({elapsed / len(history):.3f} s/step); "
+        f"load average {load_start:.1f} at the first step, {os.getloadavg()[0]:.1f} at the end"
+    )
+    # The wall times above depend on what else runs on the machine; CPU time much less.
+    cores = os.cpu_count() or 1
+    local = "the driver, the scheduler and the workers" if not args.scheduler else "the driver and the ranks"
+    print(
+        f"CPU time of {local}: start-up {startup_cpu:.1f} s, training {training_cpu:.1f} s "
+        f"({training_cpu / len(history):.3f} s/step); on {grpo.plural(cores, 'idle core')} at least "
+        f"{startup_cpu / cores:.0f} + {training_cpu / cores:.0f} s"
+    )
     if reached is not None:
         print(
             f"mean reward over {args.final_window} steps first >= {args.min_reward} at step {reached[0]}, "
@@ -488,8 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--world-size", type=int, default=2, help="trainer (FSDP) ranks (default 2)")
     parser.add_argument("--rollout-world-size", type=int, default=2, help="rollout ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=150, help="default 150")
-    parser.add_argument("--prompts-per-step", type=int, default=32, help="default 32")
+    parser.add_argument("--steps", type=int, default=200, help="default 200")
+    parser.add_argument("--prompts-per-step", type=int, default=64, help="default 64 (as grpo.py)")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size, default 8)")
     parser.add_argument(
         "--lr", type=float, default=LLMConfig.lr, help=f"AdamW learning rate (default {LLMConfig.lr})"
@@ -505,6 +564,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--layers", type=int, default=LLMConfig.layers, help=f"decoder layers (default {LLMConfig.layers})"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the weights' dtype on every rank (default float32; bfloat16 on GPUs)",
     )
     parser.add_argument("--bucket-mib", type=float, default=1.0, help="weight-sync bucket in MiB (default 1)")
     parser.add_argument(
@@ -551,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         address = args.scheduler or stack.enter_context(grpo.local_cluster_process(n_workers))
         client = stack.enter_context(grpo.connect(address))
         grpo.wait_for_workers(client, n_workers, 300.0)
-        status = fit(client, args)
+        status = fit(client, args, start)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return status
 
