@@ -302,9 +302,15 @@ def test_a_member_killed_mid_broadcast_gives_worker_lost_and_the_others_fail_wit
         assert lost.value.rank == 1
         # The others either got the weights before the member died (where gloo's
         # broadcast did not pass through it) or fail naming the collective: none hangs.
+        # A survivor of the dead member's own group fails with the root cause, the dead
+        # rank's WorkerLostError, its own error riding along (issue 43).
         for survivor in (sender, receivers[0], receivers[2]):
             try:
                 assert daskwg.get(survivor) == nbytes // 4
+            except WorkerLostError as exc:
+                assert survivor is not sender and exc.rank == 1
+                own = exc.__context__
+                assert "broadcast on collective 'sync'" in str(own) and "a member died" in str(own)
             except RankError as exc:
                 assert "broadcast on collective 'sync'" in str(exc) and "a member died" in str(exc)
         # The next collective operation, which needs the dead member, fails within the
