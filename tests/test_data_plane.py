@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import re
 import sys
 import threading
 import types
@@ -361,7 +362,7 @@ def test_batches_of_different_lengths_are_refused_by_the_ranks_while_a_producer_
             out.get()
         assert isinstance(caught.value.exception, DispatchError)
         assert "positional argument 0 (a DataProtoFuture): 6" in caught.value.message
-        assert "argument 'other'" in caught.value.message and "4 rows" in caught.value.message
+        assert re.search(r"argument 'other'( \(a DataProtoFuture\))?: 4\b", caught.value.message)
         assert caught.value.method == "zip_async" and "make_gated" not in str(caught.value).split("---")[0]
     finally:
         producers.shutdown()
