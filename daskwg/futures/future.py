@@ -272,7 +272,7 @@ class DataProtoFuture(DaskCollection):
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         """Split into ``chunks`` futures, piece ``i`` being ``value.chunk(chunks)[i]``
-        (:meth:`daskwg.DataProto.chunk`: the first ``N % chunks`` pieces one row longer).
+        (``DataProto.chunk``: the first ``N % chunks`` pieces one row longer).
 
         Each piece is a future too: it can be chunked again, handed to a group of any size
         (``for mb in fut.chunk(4): wg.update_policy(mb)``) or ``get()``. When this future is
@@ -283,7 +283,7 @@ class DataProtoFuture(DaskCollection):
         Raises:
             TypeError: ``chunks`` is not an int (as ``DataProto.chunk``).
             ValueError: ``chunks < 1``; or the driver knows this future's rows
-                (:meth:`known_rows`) and they are fewer than ``chunks`` (else that is raised
+                (``known_rows()``) and they are fewer than ``chunks`` (else that is raised
                 where the piece is materialised, as ``DataProto.chunk`` raises it); or a
                 custom ``dispatch_fn`` was applied.
         """
