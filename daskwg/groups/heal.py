@@ -96,7 +96,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     transport, slots = wg._transport, list(wg._slots)
     driver = transport.driver
     transport.settle()
-    lost = [r for r, s in enumerate(slots) if s.server_id in driver.lost]
+    lost = [r for r, s in enumerate(slots) if s.server_id in driver.health.lost]
     stuck = _stuck_ranks(wg, [r for r in range(len(slots)) if r not in lost])
     if not lost and not stuck and transport.broken is None:
         logger.info("group %s: heal() found nothing to heal", wg._name)
@@ -110,7 +110,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
             wg._name,
             restartable,
         )
-        fresh = restart_workers(wg._client, [slots[r] for r in restartable], driver.lost, wg._name, limit)
+        fresh = restart_workers(wg._client, [slots[r] for r in restartable], driver.health.lost, wg._name, limit)
         replaced.update(zip(restartable, fresh))
     left_out = [r for r in stuck if r not in replaced]
     if left_out:
@@ -326,7 +326,7 @@ def _free_now(wg: Any, keep: Sequence[WorkerSlot]) -> list[WorkerSlot]:
     free = [
         s
         for s in matching
-        if s.server_id not in taken and s.server_id not in driver.lost and driver.busy_call(s) is None
+        if s.server_id not in taken and s.server_id not in driver.health.lost and driver.sequencer.busy_call(s) is None
     ]
     if pool_slots:
         nannies = {s.nanny for s in pool_slots if s.nanny} | {s.address for s in pool_slots}
