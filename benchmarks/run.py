@@ -3,6 +3,7 @@
     python benchmarks/run.py                              # print the tables
     python benchmarks/run.py --write docs/performance.md  # and write the report
     python benchmarks/run.py --rows weights,broadcast     # only some rows (see --help)
+    python benchmarks/run.py --rows heal --systems daskwg # SIGKILL -> healed group (benchmarks/heal.py)
 
 The same worker logic (:func:`make_worker_class`, :func:`make_rows_class`) is registered
 with each system's own ``Worker``/``register``/``Dispatch`` and driven with the same
@@ -93,7 +94,7 @@ ROW_REPS = {
 # new arrive), so a steady state holds two sets; until both exist, every set lands in
 # memory the process never had. Both systems get the same warm-up.
 WEIGHT_WARMUPS = 2
-ONCE = ("timings", "rss", "grpo")  # measured once, after the runs
+ONCE = ("timings", "rss", "grpo", "heal")  # measured once, after the runs
 GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
 ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
@@ -1762,6 +1763,24 @@ def run_grpo(plan: bool, steps: int) -> dict:
     }
 
 
+def run_heal(quick: bool) -> dict:
+    """``benchmarks/heal.py`` in a subprocess of its own (its worker class travels by value
+    from its ``__main__``): the ``heal`` row's samples."""
+    reps = 1 if quick else 2
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    try:
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "heal.py"), "--reps", str(reps), "--out", out],
+            check=True,
+            timeout=1800,
+        )
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
 def build_grpo_report(grpo: dict) -> str:
     """The GRPO step time with and without ``--plan``."""
     plain, planned = grpo["calls"], grpo["plan"]
@@ -2071,7 +2090,7 @@ def main() -> None:
             f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
         )
         runs.append(run)
-    res, rss, grpo = {}, {}, {}
+    res, rss, grpo, heal = {}, {}, {}, {}
     if any(r in ONCE for r in rows):
         print(f"[bench] measured once: load average {_load()}", flush=True)
         passthrough = ["--ranks", args.ranks, *quick]
@@ -2086,14 +2105,33 @@ def main() -> None:
             steps = 4 if args.quick else GRPO_STEPS
             print(f"[bench] examples/grpo.py, {steps} steps, without and with --plan", flush=True)
             grpo = {"steps": steps, "calls": run_grpo(False, steps), "plan": run_grpo(True, steps)}
+        if "heal" in rows and "daskwg" in systems:
+            print(
+                "[bench] heal: SIGKILL -> an answering group, heal / warm spare / restart / rebuild",
+                flush=True,
+            )
+            heal = run_heal(args.quick)
         print(f"[bench] measured once: done, load average {_load()}", flush=True)
     mach = machine()
     wall = time.time() - t0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"runs": runs, "results": res, "rss": rss, "grpo": grpo, "machine": mach, "wall_s": wall}, f
+                {
+                    "runs": runs,
+                    "results": res,
+                    "rss": rss,
+                    "grpo": grpo,
+                    "heal": heal,
+                    "machine": mach,
+                    "wall_s": wall,
+                },
+                f,
             )
+    if heal:
+        from heal import report as heal_report  # benchmarks/heal.py, beside this script
+
+        print(heal_report(heal))
     if set(systems) != {"daskwg", "verl"}:
         for name in systems:
             for run in runs:

@@ -53,7 +53,16 @@ Placements:
 Faults: ``--kill-worker-at-step K`` SIGKILLs the Dask worker process of trainer rank 1 while
 step K is in flight. The driver gets ``WorkerLostError``, builds the groups again once the
 nanny has restarted the worker, reloads the last checkpoint (``--checkpoint-every``) and
-carries on.
+carries on. ``--kill-rollout-at-step K`` does the same to rollout rank 1 (split placement).
+With ``--heal`` the groups are healed instead (``wg.heal()``): the surviving ranks keep
+their processes and state, the replacement trainer rank takes weights, reference and
+optimizer state from a surviving trainer rank by a broadcast over the rebuilt gloo process
+group (``recover_state``: worker to worker, no checkpoint read), a replacement rollout rank
+loads the trainer's weights worker to worker, and the interrupted step runs again; it
+prints ``healed in X s`` and ``steps lost: N`` for each. ``--grow-at-step K`` adds a Dask
+worker before step K and grows the rollout group into it (``wg.resize``)::
+
+    python examples/grpo.py --placement split --heal --kill-worker-at-step 8 --kill-rollout-at-step 14
 
 Run it on a local cluster (``dask scheduler`` and ``dask worker`` started for you)::
 
