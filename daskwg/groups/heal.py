@@ -81,7 +81,7 @@ class MembershipReport:
         old_world_size, new_world_size: the group's size before and after.
         master_addr, master_port: the new rendezvous every rank sees.
         seconds: wall-clock seconds it took.
-        event: the :class:`~daskwg.worker.MembershipChange` the ranks got.
+        event: the [`MembershipChange`][daskwg.worker.MembershipChange] the ranks got.
     """
 
     kind: str
@@ -104,7 +104,7 @@ class MembershipReport:
 
 
 def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
-    """``wg.heal(timeout)``: see :meth:`daskwg.WorkerGroup.heal`."""
+    """``wg.heal(timeout)``: see [`WorkerGroup.heal`][daskwg.WorkerGroup.heal]."""
     t0 = time.monotonic()
     _check_changeable(wg, "heal")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -146,7 +146,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
 
 
 def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipReport:
-    """``wg.resize(world_size, timeout)``: see :meth:`daskwg.WorkerGroup.resize`."""
+    """``wg.resize(world_size, timeout)``: see [`WorkerGroup.resize`][daskwg.WorkerGroup.resize]."""
     t0 = time.monotonic()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"resize() takes a world size >= 1, got {world_size!r}")
@@ -175,7 +175,7 @@ def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipR
 
 
 def keep_spares(wg: Any, k: int) -> list[str]:
-    """``wg.keep_spares(k)``: see :meth:`daskwg.WorkerGroup.keep_spares`."""
+    """``wg.keep_spares(k)``: see [`WorkerGroup.keep_spares`][daskwg.WorkerGroup.keep_spares]."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"keep_spares() takes a number of spare workers >= 0, got {k!r}")
     _check_changeable(wg, "keep_spares")
