@@ -3,6 +3,7 @@
     python benchmarks/run.py                              # print the tables
     python benchmarks/run.py --write docs/performance.md  # and write the report
     python benchmarks/run.py --rows weights,broadcast     # only some rows (see --help)
+    python benchmarks/run.py --rows heal --systems daskwg # SIGKILL -> healed group (benchmarks/heal.py)
 
 The same worker logic (:func:`make_worker_class`, :func:`make_rows_class`) is registered
 with each system's own ``Worker``/``register``/``Dispatch`` and driven with the same
@@ -94,7 +95,7 @@ ROW_REPS = {
 # new arrive), so a steady state holds two sets; until both exist, every set lands in
 # memory the process never had. Both systems get the same warm-up.
 WEIGHT_WARMUPS = 2
-ONCE = ("timings", "rss", "grpo", "scale", "sharded-sync")  # measured once, after the runs
+ONCE = ("timings", "rss", "grpo", "scale", "sharded-sync", "heal")  # measured once, after the runs
 GRPO_STEPS = 30  # steps of each examples/grpo.py run of the "grpo" measurement
 PLANE_ROWS_NAMES = ("reshard", "union", "roundtrip", "view")  # what --only-plane selects
 ROWS_WORKERS = 6  # Dask workers of a rows run: a 4-rank and a 2-rank group side by side
@@ -2076,6 +2077,24 @@ def run_grpo(plan: bool, steps: int) -> dict:
     }
 
 
+def run_heal(quick: bool) -> dict:
+    """``benchmarks/heal.py`` in a subprocess of its own (its worker class travels by value
+    from its ``__main__``): the ``heal`` row's samples."""
+    reps = 1 if quick else 2
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    try:
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "heal.py"), "--reps", str(reps), "--out", out],
+            check=True,
+            timeout=1800,
+        )
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
 def build_grpo_report(grpo: dict) -> str:
     """The GRPO step time with and without ``--plan``."""
     plain, planned = grpo["calls"], grpo["plan"]
@@ -2452,7 +2471,7 @@ def main() -> None:
             f"[bench] run {i + 1}/{args.runs} done in {run['wall_s']:.0f} s: load average {run['load_end']}"
         )
         runs.append(run)
-    res, rss, grpo, scaled, sharded = {}, {}, {}, {}, {}
+    res, rss, grpo, scaled, sharded, heal = {}, {}, {}, {}, {}, {}
     if any(r in ONCE for r in rows):
         print(f"[bench] measured once: load average {_load()}", flush=True)
         passthrough = ["--ranks", args.ranks, *quick]
@@ -2474,6 +2493,12 @@ def main() -> None:
             for name in systems:
                 print(f"[bench] {name}: sharded weight sync", flush=True)
                 sharded[name] = spawn(["--child", name, "--sharded", *quick])
+        if "heal" in rows and "daskwg" in systems:
+            print(
+                "[bench] heal: SIGKILL -> an answering group, heal / warm spare / restart / rebuild",
+                flush=True,
+            )
+            heal = run_heal(args.quick)
         print(f"[bench] measured once: done, load average {_load()}", flush=True)
     mach = machine()
     wall = time.time() - t0
@@ -2487,11 +2512,16 @@ def main() -> None:
                     "grpo": grpo,
                     "scale": scaled,
                     "sharded": sharded,
+                    "heal": heal,
                     "machine": mach,
                     "wall_s": wall,
                 },
                 f,
             )
+    if heal:
+        from heal import report as heal_report  # benchmarks/heal.py, beside this script
+
+        print(heal_report(heal))
     if set(systems) != {"daskwg", "verl"}:
         if scaled:
             import scale

@@ -53,7 +53,16 @@ Placements:
 Faults: ``--kill-worker-at-step K`` SIGKILLs the Dask worker process of trainer rank 1 while
 step K is in flight. The driver gets ``WorkerLostError``, builds the groups again once the
 nanny has restarted the worker, reloads the last checkpoint (``--checkpoint-every``) and
-carries on.
+carries on. ``--kill-rollout-at-step K`` does the same to rollout rank 1 (split placement).
+With ``--heal`` the groups are healed instead (``wg.heal()``): the surviving ranks keep
+their processes and state, the replacement trainer rank takes weights, reference and
+optimizer state from a surviving trainer rank by a broadcast over the rebuilt gloo process
+group (``recover_state``: worker to worker, no checkpoint read), a replacement rollout rank
+loads the trainer's weights worker to worker, and the interrupted step runs again; it
+prints ``healed in X s`` and ``steps lost: N`` for each. ``--grow-at-step K`` adds a Dask
+worker before step K and grows the rollout group into it (``wg.resize``)::
+
+    python examples/grpo.py --placement split --heal --kill-worker-at-step 8 --kill-rollout-at-step 14
 
 Run it on a local cluster (``dask scheduler`` and ``dask worker`` started for you)::
 
@@ -77,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -238,6 +248,10 @@ class GRPOConfig:
     grad_clip: float = 1.0
     temperature: float = 1.0
     seed: int = 0
+    # Seconds a gloo collective waits for a peer. With --heal it is kept short: when a peer
+    # dies inside update_actor, ranks not connected to it directly wait this long before
+    # they fail and can be kept by wg.heal() (a rank still stuck is replaced, losing its state).
+    pg_timeout_s: float = 30.0
 
 
 def _with(data: DataProto, **tensors: torch.Tensor) -> DataProto:
@@ -292,6 +306,18 @@ class ActorRolloutRefWorker(daskwg.Worker):
     def init_model(self) -> str:
         """Build the policy (and, with the actor role, the reference, the optimizer and
         the process group the gradients are all-reduced over). Returns the backend."""
+        backend = self._build_model()
+        if not self.has_actor:
+            return "none"
+        if dist.is_initialized():
+            # Left over from a group on this worker that broke (a peer was killed).
+            dist.destroy_process_group()
+        self._init_process_group(backend)
+        return backend
+
+    def _build_model(self) -> str:
+        """Policy, and with the actor role reference and optimizer, from the seed; returns
+        the backend of this device."""
         if torch.cuda.is_available():
             backend, self.device = "nccl", torch.device("cuda", 0)  # dask-cuda: one GPU per worker
             torch.cuda.set_device(self.device)
@@ -299,22 +325,77 @@ class ActorRolloutRefWorker(daskwg.Worker):
             backend, self.device = "gloo", torch.device("cpu")
         torch.manual_seed(self.cfg.seed)  # same initial weights on every rank of every group
         self.policy = GRUPolicy(self.cfg.hidden).to(self.device)
-        if not self.has_actor:
-            return "none"
-        self.ref = GRUPolicy(self.cfg.hidden).to(self.device)
-        self.ref.load_state_dict(self.policy.state_dict())
-        self.ref.requires_grad_(False)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr)
-        if dist.is_initialized():
-            # Left over from a group on this worker that broke (a peer was killed).
-            dist.destroy_process_group()
+        self.version = 0  # actor updates applied to self.policy
+        self._before_update = None  # (version, state) kept by update_actor, for recover_state
+        if self.has_actor:
+            self.ref = GRUPolicy(self.cfg.hidden).to(self.device)
+            self.ref.load_state_dict(self.policy.state_dict())
+            self.ref.requires_grad_(False)
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr)
+        return backend
+
+    def _init_process_group(self, backend: str) -> None:
         from datetime import timedelta
 
         # If a peer dies inside a collective, its neighbours fail at once but the other
         # ranks wait for this timeout (gloo's default is 30 minutes), and the groups can
-        # only be rebuilt on their workers after that.
-        dist.init_process_group(backend, timeout=timedelta(seconds=30))
-        return backend
+        # only be rebuilt (or healed keeping them) after that.
+        dist.init_process_group(backend, timeout=timedelta(seconds=self.cfg.pg_timeout_s))
+
+    # -- heal and resize (wg.heal(), wg.resize(n); --heal, --grow-at-step) --
+
+    def on_membership_change(self, event) -> None:
+        """After ``wg.heal()`` or ``wg.resize(n)``, on every rank at once: a new rank builds
+        its model (from the seed: its weights come from a peer next, see ``recover_state``
+        and ``Groups.sync_weights``), and the trainer ranks rendezvous again (daskwg has
+        destroyed the survivors' old process group and set the new ``MASTER_PORT``)."""
+        if self.rank in event.new_ranks:
+            self._build_model()
+        if self.has_actor:
+            self._init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    def _training_state(self) -> dict:
+        return {
+            "policy": self.policy.state_dict(),
+            "ref": self.ref.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def _load_training_state(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.ref.load_state_dict(state["ref"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def recover_state(self, version: int, source: int, new_ranks: list[int]) -> int:
+        """After a heal: every surviving trainer rank goes back to the state of actor
+        update ``version`` (the updates the driver saw finish), and the replacement ranks
+        ``new_ranks`` take the weights, reference and optimizer state of rank ``source``
+        (a survivor: data-parallel ranks hold identical state) over the rebuilt process
+        group: worker to worker, never through the driver, no checkpoint read.
+
+        A survivor may have begun the update the failure interrupted, or finished it
+        while a peer did not: ``update_actor`` keeps the state it started from, and that is
+        put back here. Returns this rank's version afterwards.
+
+        Raises:
+            RuntimeError: a survivor holds neither ``version`` nor the state before it.
+        """
+        if self.rank not in new_ranks:
+            kept = self._before_update
+            if kept is not None and kept[0] == version:
+                self._load_training_state(kept[1])
+                self.version = version
+            if self.version != version:
+                raise RuntimeError(
+                    f"rank {self.rank} holds actor version {self.version} and cannot go back to {version}"
+                )
+        payload = [self._training_state() if self.rank == source else None]
+        dist.broadcast_object_list(payload, src=source)
+        if self.rank in new_ranks:
+            self._load_training_state(payload[0])
+            self.version = version
+        return self.version
 
     # -- rollout --
 
@@ -434,6 +515,9 @@ class ActorRolloutRefWorker(daskwg.Worker):
             "clipped": 0.0,
             "tokens": 0.0,
         }
+        # What recover_state puts back if this update is interrupted (a peer lost): the
+        # state it starts from. Copies, as the optimizer changes its tensors in place.
+        self._before_update = (self.version, copy.deepcopy(self._training_state()))
         self.policy.train()
         params = list(self.policy.parameters())
         mini_batches = torch.tensor_split(torch.arange(len(mask), device=self.device), cfg.ppo_mini_batches)
@@ -463,6 +547,7 @@ class ActorRolloutRefWorker(daskwg.Worker):
             metrics["pg_loss"] += float(masked_sum(pg.detach(), m))
             metrics["clipped"] += float(masked_sum((ratio.detach() != clipped_ratio.detach()).float(), m))
             metrics["tokens"] += float(m.sum())
+        self.version += 1
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
@@ -500,6 +585,7 @@ class ActorRolloutRefWorker(daskwg.Worker):
         if self.has_actor:
             self.ref.load_state_dict(state["ref"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self._before_update = int(state["step"]), None
         return int(state["step"])
 
     # -- end --
@@ -563,10 +649,23 @@ class Groups:
             group.shutdown()
 
 
+#: ``--heal``: seconds a trainer collective waits for a lost peer before it fails, and the
+#: seconds ``daskwg.rank-failure-grace`` gives the other ranks of a failed call to finish
+#: (longer, so the survivors stuck in that collective fail and are kept by the heal). The
+#: timeout must also exceed the time ranks can drift apart before a collective: 8 s failed
+#: a healthy step on this 2-core machine at a load average of 46.
+HEAL_PG_TIMEOUT_S, HEAL_GRACE_S = 30.0, 40.0
+
+
 def grpo_config(args: argparse.Namespace) -> GRPOConfig:
     """The :class:`GRPOConfig` of the command line."""
     return GRPOConfig(
-        hidden=args.hidden, lr=args.lr, kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, seed=args.seed
+        hidden=args.hidden,
+        lr=args.lr,
+        kl_coef=args.kl_coef,
+        ppo_epochs=args.ppo_epochs,
+        seed=args.seed,
+        pg_timeout_s=HEAL_PG_TIMEOUT_S if getattr(args, "heal", False) else 30.0,
     )
 
 
@@ -622,6 +721,36 @@ def rebuild_groups(client, groups: Groups, args: argparse.Namespace, build=build
                     f"the cluster needs {needed} workers"
                 ) from exc
             time.sleep(1.0)
+
+
+def heal_groups(groups: Groups, step: int, args: argparse.Namespace) -> list:
+    """``--heal``: replace the lost ranks of the groups and carry on from step ``step``
+    (the first step not finished), keeping every surviving rank and its state.
+
+    ``wg.heal()`` rebuilds each broken group on free workers (a worker whose nanny has
+    restarted it is free); ``on_membership_change`` builds the replacements' models and
+    the trainer ranks' new process group. Then every trainer rank goes back to the state
+    after ``step`` updates and the replacements take it from a surviving trainer rank
+    (``recover_state``, a broadcast over that process group), and the rollout ranks load
+    the trainer's weights worker to worker (``sync_weights``). Nothing goes through the
+    driver and no checkpoint is read. Returns the ``MembershipReport`` of each group healed.
+    """
+    reports = []
+    for group in groups.all():
+        report = group.heal(timeout=args.recover_timeout)
+        if report.moved:
+            reports.append((group, report))
+    actor_report = next((r for g, r in reports if g is groups.actor), None)
+    new_ranks = sorted(actor_report.moved) if actor_report is not None else []
+    survivors = [r for r in range(groups.actor.world_size) if r not in new_ranks]
+    if not survivors:
+        raise RuntimeError(
+            "every trainer rank was replaced: no rank holds the training state any more; "
+            "run without --heal to resume from the last checkpoint"
+        )
+    groups.actor_version = min(groups.actor.recover_state(step, survivors[0], new_ranks))
+    groups.sync_weights()
+    return reports
 
 
 def caused_by_lost_worker(groups: Groups, exc: WorkerGroupError, wait_s: float = 10.0) -> bool:
@@ -801,6 +930,7 @@ class History:
 
     metrics: list[dict[str, float]] = field(default_factory=list)
     restarts: list[int] = field(default_factory=list)  # steps at which the groups were rebuilt
+    heals: list[int] = field(default_factory=list)  # --heal: steps at which the groups were healed
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -826,8 +956,27 @@ def restore(groups: Groups, args: argparse.Namespace) -> int:
     return step
 
 
-def fit(client, args: argparse.Namespace, build=build_groups) -> int:
-    """Train (verl's ``RayPPOTrainer.fit``) on the groups ``build(client, args)``; returns the exit status."""
+def grow_rollout(groups: Groups, args: argparse.Namespace, add_worker, say) -> None:
+    """``--grow-at-step``: add a Dask worker to the cluster (``add_worker()``; on a cluster
+    you run, start one yourself) and grow the rollout group into it (``wg.resize``): the
+    rollout ranks keep their processes and weights, the new rank builds its model in
+    ``on_membership_change`` and loads the trainer's weights worker to worker."""
+    if add_worker is not None:
+        add_worker()
+    else:
+        say("--grow-at-step: waiting for a Dask worker to join (start one: dask worker <scheduler>)")
+    t0 = time.perf_counter()
+    report = groups.rollout.resize(groups.rollout.world_size + 1, timeout=args.recover_timeout)
+    groups.sync_weights()
+    say(
+        f"rollout grown to {plural(groups.rollout.world_size, 'rank')} in {time.perf_counter() - t0:.2f} s ({report})"
+    )
+
+
+def fit(client, args: argparse.Namespace, build=build_groups, add_worker=None) -> int:
+    """Train (verl's ``RayPPOTrainer.fit``) on the groups ``build(client, args)``; returns the exit status.
+
+    ``add_worker()``, if given, adds a Dask worker to the cluster (``--grow-at-step``)."""
     from tqdm import tqdm
 
     groups = build(client, args)
@@ -856,7 +1005,21 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         f"rollout on {plural(groups.rollout.world_size, 'rank')}, {plural(workers, 'Dask worker')}, "
         f"gradients all-reduced over {groups.backend}"
     )
-    kill_at = args.kill_worker_at_step
+    kills = {  # step -> (group, rank) whose worker is SIGKILLed during that step
+        k: v
+        for k, v in (
+            (args.kill_worker_at_step, ("trainer", groups.actor)),
+            (getattr(args, "kill_rollout_at_step", None), ("rollout", groups.rollout)),
+        )
+        if k is not None
+    }
+    grow_at = getattr(args, "grow_at_step", None)
+    if getattr(args, "heal", False):
+        import dask
+
+        # The survivors of a lost trainer rank fail their collective within
+        # HEAL_PG_TIMEOUT_S; heal() keeps ranks that finish within this grace.
+        dask.config.set({"daskwg.rank-failure-grace": HEAL_GRACE_S})
     steps_run = 0
     refresh_s = 0.1 if sys.stderr.isatty() else 5.0
     received, start_time = DriverBytes(), time.perf_counter()
@@ -867,16 +1030,21 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         while step < args.steps:
             try:
                 kill = None
-                if kill_at is not None and step + 1 == kill_at:
-                    rank = min(1, groups.actor.world_size - 1)
-                    kill, kill_at = groups.actor.workers[rank], None
-                    bar.write(f"step {step + 1}: killing the worker of trainer rank {rank} ({kill})")
+                if step + 1 in kills:
+                    role, _ = kills.pop(step + 1)
+                    group = groups.actor if role == "trainer" else groups.rollout
+                    rank = min(1, group.world_size - 1)
+                    kill = group.workers[rank]
+                    bar.write(f"step {step + 1}: killing the worker of {role} rank {rank} ({kill})")
+                if grow_at is not None and step + 1 == grow_at:
+                    grow_at = None
+                    grow_rollout(groups, args, add_worker, bar.write)
                 metrics, ahead = run_step(client, groups, step, args, kill, ahead)
             except WorkerGroupError as exc:
                 ahead = None  # a rollout started on the broken groups
                 if not caused_by_lost_worker(groups, exc):
                     raise
-                if len(history.restarts) >= args.max_restarts:
+                if len(history.restarts) + len(history.heals) >= args.max_restarts:
                     # Name the cause: the error that arrived first may be a surviving peer's
                     # collective failing (a gloo RankError), not the lost worker itself.
                     groups.shutdown()
@@ -887,8 +1055,23 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
                         f"checkpoint in {args.checkpoint_dir}"
                     ) from exc
                 bar.write(f"step {step + 1}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                if getattr(args, "heal", False):
+                    t0 = time.perf_counter()
+                    reports = heal_groups(groups, step, args)
+                    seconds = time.perf_counter() - t0
+                    resumed = groups.actor_version  # the updates the trainer ranks hold now
+                    history.heals.append(step)
+                    moved = "; ".join(f"{g.name}: {r}" for g, r in reports) or "no rank moved"
+                    bar.write(f"step {step + 1}: healed in {seconds:.2f} s ({moved})")
+                    bar.write(
+                        f"step {step + 1}: steps lost: {step - resumed}; running step {resumed + 1} again"
+                    )
+                    history.metrics = history.metrics[:resumed]
+                    step = resumed
+                    continue
                 groups = rebuild_groups(client, groups, args, build)
-                step = restore(groups, args)
+                lost_from, step = step, restore(groups, args)
+                bar.write(f"step {lost_from + 1}: steps lost: {lost_from - step}")
                 history.metrics = history.metrics[:step]
                 history.restarts.append(step)
                 bar.write(f"groups rebuilt; resuming from the checkpoint of step {step}")
@@ -926,6 +1109,8 @@ def fit(client, args: argparse.Namespace, build=build_groups) -> int:
         )
     if history.restarts:
         print(f"groups rebuilt {len(history.restarts)} time(s), resumed from step(s) {history.restarts}")
+    if history.heals:
+        print(f"groups healed {len(history.heals)} time(s), resumed from step(s) {history.heals}")
     staleness = [m.get("staleness", 0.0) for m in history.metrics]
     print(
         f"staleness (policy versions a batch is behind the actor it trains): "
@@ -1043,7 +1228,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SIGKILL the worker of trainer rank 1 (rank 0 with --world-size 1) during step K",
     )
     parser.add_argument(
-        "--max-restarts", type=int, default=3, help="rebuild the groups at most this often (default 3)"
+        "--kill-rollout-at-step",
+        type=int,
+        metavar="K",
+        help="with --placement split: SIGKILL the worker of rollout rank 1 (rank 0 with one) during step K",
+    )
+    parser.add_argument(
+        "--heal",
+        action="store_true",
+        help="after a lost worker, wg.heal() the groups (the survivors keep their state, replacements "
+        "take theirs from a surviving trainer rank) and run the interrupted step again, instead of "
+        "rebuilding them and reloading the last checkpoint",
+    )
+    parser.add_argument(
+        "--grow-at-step",
+        type=int,
+        metavar="K",
+        help="with --placement split: before step K, add a Dask worker (the local cluster) and grow the "
+        "rollout group into it (wg.resize)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="rebuild (or heal) the groups at most this often (default 3)",
     )
     parser.add_argument(
         "--recover-timeout",
@@ -1099,8 +1307,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--async overlaps the rollout with the update on separate ranks: it needs --placement split"
         )
-    if args.kill_worker_at_step is not None and not 1 <= args.kill_worker_at_step <= args.steps:
-        parser.error(f"--kill-worker-at-step counts steps from 1 to --steps ({args.steps})")
+    for option in ("kill_worker_at_step", "kill_rollout_at_step", "grow_at_step"):
+        value = getattr(args, option)
+        if value is not None and not 1 <= value <= args.steps:
+            parser.error(f"--{option.replace('_', '-')} counts steps from 1 to --steps ({args.steps})")
+    for option in ("kill_rollout_at_step", "grow_at_step"):
+        if getattr(args, option) is not None and args.placement != "split":
+            parser.error(f"--{option.replace('_', '-')} acts on the rollout group of --placement split")
+    if args.kill_rollout_at_step is not None and args.kill_rollout_at_step == args.kill_worker_at_step:
+        parser.error("--kill-rollout-at-step and --kill-worker-at-step must be different steps")
+    if args.grow_at_step is not None and args.prompts_per_step % (args.rollout_world_size + 1):
+        parser.error(
+            f"--grow-at-step grows the rollout to {args.rollout_world_size + 1} ranks: --prompts-per-step "
+            f"{args.prompts_per_step} must be a multiple of that too (e.g. 48 with 2 rollout ranks)"
+        )
+    if args.heal and (args.async_rollout or args.plan):
+        parser.error(
+            "--heal runs the interrupted step again from the trainer's state; it is built for the plain "
+            "step: leave out --async and --plan"
+        )
     return args
 
 
@@ -1181,6 +1406,27 @@ def local_cluster_process(n_workers: int, timeout: float = 600.0):
         shutil.rmtree(files, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def local_worker_process(address: str):
+    """One more ``dask worker`` process (one thread, under a nanny) joining the scheduler at
+    ``address``, as ``cluster.scale(n + 1)`` adds one; stopped on exit."""
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable))
+    dask_cli = [exe] if exe else [sys.executable, "-m", "dask"]
+    proc = subprocess.Popen(
+        [*dask_cli, "worker", address, "--nthreads", "1", "--host", "127.0.0.1", "--dashboard-address", ":0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def connect(address: str, timeout: float = 60.0):
     """A ``Client`` of the scheduler at ``address``; ``SystemExit`` if it cannot be reached
     within ``timeout`` seconds."""
@@ -1220,7 +1466,13 @@ def main(argv: list[str] | None = None) -> int:
         address = args.scheduler or stack.enter_context(local_cluster_process(n_workers))
         client = stack.enter_context(connect(address))
         wait_for_workers(client, n_workers, args.recover_timeout)
-        status = fit(client, args)
+        add_worker = None
+        if not args.scheduler:
+
+            def add_worker():
+                stack.enter_context(local_worker_process(address))
+
+        status = fit(client, args, add_worker=add_worker)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return status
 

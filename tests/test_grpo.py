@@ -159,6 +159,31 @@ def test_killed_worker_is_replaced_and_training_resumes_from_the_checkpoint(tmp_
 
 
 @pytest.mark.timeout(900)
+def test_heal_replaces_a_killed_trainer_and_rollout_rank_and_loses_no_step(tmp_path, cli_cluster6):
+    proc = run_example(
+        *short_run_args(
+            tmp_path,
+            *("--placement", "split", "--heal", "--steps", "4"),
+            *(
+                "--kill-worker-at-step",
+                "2",
+                "--kill-rollout-at-step",
+                "3",
+                "--scheduler",
+                cli_cluster6.address,
+            ),
+        )
+    )
+    out = proc.stdout + proc.stderr
+    assert "killing the worker of trainer rank 1" in out and "killing the worker of rollout rank 1" in out
+    assert out.count("steps lost: 0; running step") == 2, out
+    assert "healed in" in out and "groups rebuilt" not in out  # no checkpoint reload
+    assert "groups healed 2 time(s), resumed from step(s) [1, 2]" in proc.stdout
+    assert "steps: 4 run" in proc.stdout
+    assert "weights identical on all 6 ranks" in proc.stdout
+
+
+@pytest.mark.timeout(900)
 def test_async_split_trains_one_version_behind_and_survives_a_killed_worker(tmp_path, cli_cluster6):
     proc = run_example(
         *short_run_args(

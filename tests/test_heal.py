@@ -165,3 +165,44 @@ def test_resize_up_then_down_keeps_the_kept_ranks_processes_and_state(client):
         assert [p[2] for p in wg.place()] == [2, 2]
     finally:
         wg.shutdown()
+
+
+# ---- hot spares ---------------------------------------------------------------------------
+
+
+def _imported(client: Client, address: str) -> bool:
+    """Whether the worker process at ``address`` has imported the test's worker module."""
+    return client.run(lambda: "heal_workers" in __import__("sys").modules, workers=[address])[address]
+
+
+@pytest.mark.timeout(240)
+def test_heal_moves_the_lost_rank_onto_a_warm_spare_and_warms_another(figure):
+    with process_cluster(4) as cluster, Client(cluster) as client:
+        wait_for_workers(client, 4)
+        wg = _group(client, 2)
+        spares = wg.keep_spares(1)
+        assert len(spares) == 1 and spares[0] not in wg.workers
+        cold = [a for a in client.scheduler_info(n_workers=-1)["workers"] if a not in wg.workers + spares]
+        assert _imported(client, spares[0]) and not _imported(client, cold[0])  # warmed, the other not
+        t0 = time.monotonic()
+        _kill(wg, 1)
+        with pytest.raises(WorkerLostError):
+            wg.all_reduce()
+        report = wg.heal(timeout=60)
+        assert wg.all_reduce() == [3.0, 3.0]
+        figure(
+            f"[heal] SIGKILL -> healed onto a warm spare, answering an all_reduce: {time.monotonic() - t0:.2f} s"
+        )
+        assert wg.workers[1] == spares[0] and report.moved[1][1] == spares[0]
+        assert len(wg.spares) == 1 and wg.spares[0] not in wg.workers  # a free worker warmed again
+        assert _imported(client, wg.spares[0])
+        wg.shutdown()
+
+
+def test_keep_spares_refuses_a_negative_count(client):
+    wg = WorkerGroup(client, HealWorker, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="keep_spares\\(\\) takes a number of spare workers >= 0"):
+            wg.keep_spares(-1)
+    finally:
+        wg.shutdown()

@@ -29,7 +29,7 @@ from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs
 from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
-from .heal import MembershipReport, heal_group, resize_group
+from .heal import MembershipReport, heal_group, keep_spares, resize_group
 from .install import check_versions, install_plugins, version_of
 from .pool import ResourcePool, WorkerSlot, pick_free
 from .restart import check_restartable, restart_workers
@@ -404,6 +404,35 @@ class WorkerGroup(BoundGroup):
             RankError: ``__init__`` or ``on_membership_change`` raised on a rank.
         """
         return resize_group(self, world_size, timeout)
+
+    def keep_spares(self, k: int) -> list[str]:
+        """Keep ``k`` free workers warm for this group (hot spares), for
+        [`heal`][daskwg.WorkerGroup.heal] and [`resize`][daskwg.WorkerGroup.resize] to use first.
+
+        A spare is a free worker (hosting no rank of any group) on which the group's class
+        has been unpickled (its module and what it imports, torch included, are imported in
+        that process) and the version check of a rank's build has run: a heal onto it pays
+        neither a process start nor those imports. After a heal or resize the group warms
+        free workers again up to ``k`` where there are any (it logs when there are too
+        few). Other groups of this driver do not heal or grow onto them. verl calls these
+        warm *standbys* (``replace_worker``, PR #7910, off by default there).
+
+        Args:
+            k: spare workers to keep (``int`` >= 0; 0 lets them go).
+        Returns:
+            the spare workers' addresses now (``list[str]``, up to ``k``).
+        Raises:
+            ValueError: ``k`` is not an int >= 0.
+            GroupBrokenError: the group was shut down.
+            WorkerGroupError: the group was attached, not built here.
+        """
+        return keep_spares(self, k)
+
+    @property
+    def spares(self) -> list[str]:
+        """Addresses of the workers kept warm for this group (see
+        [`keep_spares`][daskwg.WorkerGroup.keep_spares])."""
+        return [s.address for s in getattr(self, "_spares", [])]
 
     def shutdown(self) -> None:
         """Destroy the rank objects on every worker and forget the group. Idempotent.

@@ -21,16 +21,28 @@ is not lost and is not busy with a call this driver abandoned; a worker its Nann
 just restarted is a new process and is free. A group built on a ``ResourcePool`` takes
 free workers of its pool first, then other matching ones. Where too few are free, the
 heal or resize waits for workers to join, up to its ``timeout``, and says so.
+
+*Hot spares* (:func:`keep_spares`, ``wg.keep_spares(k)``): ``k`` free workers held
+for one group, each warmed by unpickling the group's ``ClassWithInitArgs`` there (the
+class's module and what it imports, torch included, are imported in that process) and
+by the version check a rank's build does, so a heal does not wait for a process to start
+or for those imports. A heal or resize takes the group's spares first, then other free
+workers, and afterwards warms free workers again up to ``k``; other groups of this
+driver leave a group's spares alone. Verl's word for these is a *standby* (PR #7910's
+warm standbys for ``replace_worker``); *spare* is the operator's word for the same
+(a hot spare disk), and says what it is for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 from distributed import fire_and_forget
 
 from ..config import Settings
@@ -43,7 +55,7 @@ from .install import check_versions
 from .pool import ResourcePool, WorkerSlot
 from .restart import restart_workers
 
-__all__ = ["MembershipReport", "heal_group", "resize_group", "DEFAULT_TIMEOUT"]
+__all__ = ["MembershipReport", "heal_group", "resize_group", "keep_spares", "DEFAULT_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +64,9 @@ DEFAULT_TIMEOUT = 120.0
 
 #: Seconds between looks for free workers while waiting for them.
 _POLL = 0.2
+
+#: The groups of this driver that keep spares (their spares are not free to the others).
+_WITH_SPARES: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class MembershipReport:
         old_world_size, new_world_size: the group's size before and after.
         master_addr, master_port: the new rendezvous every rank sees.
         seconds: wall-clock seconds it took.
-        event: the :class:`~daskwg.worker.MembershipChange` the ranks got.
+        event: the [`MembershipChange`][daskwg.worker.MembershipChange] the ranks got.
     """
 
     kind: str
@@ -89,14 +104,14 @@ class MembershipReport:
 
 
 def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
-    """``wg.heal(timeout)``: see :meth:`daskwg.WorkerGroup.heal`."""
+    """``wg.heal(timeout)``: see [`WorkerGroup.heal`][daskwg.WorkerGroup.heal]."""
     t0 = time.monotonic()
     _check_changeable(wg, "heal")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     transport, slots = wg._transport, list(wg._slots)
     driver = transport.driver
     transport.settle()
-    lost = [r for r, s in enumerate(slots) if s.server_id in driver.lost]
+    lost = [r for r, s in enumerate(slots) if s.server_id in driver.health.lost]
     stuck = _stuck_ranks(wg, [r for r in range(len(slots)) if r not in lost])
     if not lost and not stuck and transport.broken is None:
         logger.info("group %s: heal() found nothing to heal", wg._name)
@@ -110,7 +125,9 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
             wg._name,
             restartable,
         )
-        fresh = restart_workers(wg._client, [slots[r] for r in restartable], driver.lost, wg._name, limit)
+        fresh = restart_workers(
+            wg._client, [slots[r] for r in restartable], driver.health.lost, wg._name, limit
+        )
         replaced.update(zip(restartable, fresh))
     left_out = [r for r in stuck if r not in replaced]
     if left_out:
@@ -124,11 +141,12 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     moved = {r: (slots[r].address, new_slots[r].address) for r in sorted(replaced)}
     report = _change(wg, "heal", new_slots, sorted(replaced), moved, (), t0)
     logger.warning("group %s: %s", wg._name, report)
+    _replenish(wg)
     return report
 
 
 def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipReport:
-    """``wg.resize(world_size, timeout)``: see :meth:`daskwg.WorkerGroup.resize`."""
+    """``wg.resize(world_size, timeout)``: see [`WorkerGroup.resize`][daskwg.WorkerGroup.resize]."""
     t0 = time.monotonic()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"resize() takes a world size >= 1, got {world_size!r}")
@@ -152,7 +170,66 @@ def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipR
         removed = tuple(range(world_size, old))
         report = _change(wg, "resize", slots[:world_size], [], {}, removed, t0, old_slots=slots)
     logger.info("group %s: %s", wg._name, report)
+    _replenish(wg)
     return report
+
+
+def keep_spares(wg: Any, k: int) -> list[str]:
+    """``wg.keep_spares(k)``: see [`WorkerGroup.keep_spares`][daskwg.WorkerGroup.keep_spares]."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"keep_spares() takes a number of spare workers >= 0, got {k!r}")
+    _check_changeable(wg, "keep_spares")
+    wg._spare_count = k
+    if k:
+        _WITH_SPARES.add(wg)
+    else:
+        wg._spares = []
+        _WITH_SPARES.discard(wg)
+    _replenish(wg)
+    return [s.address for s in wg._spares]
+
+
+def _replenish(wg: Any) -> None:
+    """Drop spares that were lost or now host a rank; warm free workers up to the count."""
+    want = getattr(wg, "_spare_count", 0)
+    if not want:
+        return
+    lost = wg._transport.driver.health.lost
+    ranks = {s.server_id for s in wg._slots}
+    spares = [s for s in getattr(wg, "_spares", []) if s.server_id not in lost and s.server_id not in ranks]
+    spares = spares[:want]
+    if len(spares) < want:
+        held = {s.server_id for s in spares}
+        more = [s for s in _free_now(wg, wg._slots) if s.server_id not in held][: want - len(spares)]
+        if more:
+            _warm(wg, more)
+        spares += more
+    if len(spares) < want:
+        logger.warning(
+            "group %s: keeps %d of %d spare worker(s): no other worker is free (add workers)",
+            wg._name,
+            len(spares),
+            want,
+        )
+    wg._spares = spares
+
+
+def _warm(wg: Any, slots: list[WorkerSlot]) -> None:
+    """Import the group's class (and its imports) on ``slots`` and run the version check a
+    rank's build runs there, so a heal onto them pays neither."""
+    blob = cloudpickle.dumps(wg._cls_with_init)
+    check_versions(wg._client, slots)
+    wg._client.run(_warm_spare, blob, workers=[s.address for s in slots])
+    logger.info("group %s: spare worker(s) %s warmed", wg._name, [s.address for s in slots])
+
+
+def _warm_spare(blob: bytes) -> str:
+    """On a spare worker: unpickle the ``ClassWithInitArgs``, importing its module."""
+    return cloudpickle.loads(blob).cls.__qualname__
+
+
+def _spares_of_others(wg: Any) -> set:
+    return {s.server_id for g in list(_WITH_SPARES) if g is not wg for s in getattr(g, "_spares", [])}
 
 
 # ---- the steps -----------------------------------------------------------------------------
@@ -319,18 +396,23 @@ def _free_now(wg: Any, keep: Sequence[WorkerSlot]) -> list[WorkerSlot]:
         matching = ResourcePool(client, None, None, dict(resources) if resources else None).slots
     except (ValueError, WorldSizeError, OSError):
         return []
-    taken = {s.server_id for s in keep}
+    taken = {s.server_id for s in keep} | _spares_of_others(wg)
     for record in (client.get_metadata([records.ROOT], default=None) or {}).values():
         if record:
             taken.update(record.get("server_ids", ()))
     free = [
         s
         for s in matching
-        if s.server_id not in taken and s.server_id not in driver.lost and driver.busy_call(s) is None
+        if s.server_id not in taken
+        and s.server_id not in driver.health.lost
+        and driver.sequencer.busy_call(s) is None
     ]
     if pool_slots:
         nannies = {s.nanny for s in pool_slots if s.nanny} | {s.address for s in pool_slots}
         free.sort(key=lambda s: s.nanny not in nannies and s.address not in nannies)
+    # The group's warm spares first (a stable sort keeps the order above among the rest).
+    spares = {s.server_id for s in getattr(wg, "_spares", [])}
+    free.sort(key=lambda s: s.server_id not in spares)
     return free
 
 
