@@ -419,8 +419,10 @@ class WorkerGroup(BoundGroup):
 
         Args:
             k: spare workers to keep (``int`` >= 0; 0 lets them go).
+
         Returns:
             the spare workers' addresses now (``list[str]``, up to ``k``).
+
         Raises:
             ValueError: ``k`` is not an int >= 0.
             GroupBrokenError: the group was shut down.
