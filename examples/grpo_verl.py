@@ -86,6 +86,11 @@ class ActorRolloutRefWorker(Worker):
     compute_ref_log_prob = register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)(
         recipe("compute_ref_log_prob")
     )
+    # The recipes' private helpers, taken as they are (no decorator on them).
+    _build_model = grpo.ActorRolloutRefWorker._build_model
+    _init_process_group = grpo.ActorRolloutRefWorker._init_process_group
+    _training_state = grpo.ActorRolloutRefWorker._training_state
+    _load_training_state = grpo.ActorRolloutRefWorker._load_training_state
     _log_probs = grpo.ActorRolloutRefWorker._log_probs
     update_actor = register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)(recipe("update_actor"))
     get_weights = register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)(
