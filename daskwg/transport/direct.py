@@ -22,7 +22,7 @@ from ..serialization import pickling as serialization
 from ..wire import messages as wire
 from ..wire.messages import Call
 from .driver import GroupRanks
-from .failure.state import CallWatch, FailureState, transfer_error
+from .failure.state import CallWatch, FailureState, fresh_error, transfer_error
 from .failure.waiting import timeout_error
 from .streams import CallStreams
 
@@ -169,7 +169,9 @@ class DirectPath:
                 self.failures.unsettle(grace, calls[0].method, exc.rank, pending, seqs)
             elif pending and isinstance(exc, WorkerLostError):
                 self.failures.mark_stuck(calls[0].method, pending, seqs)
-            raise exc
+            # A copy: the stored error, raised, would gather the caller's frames (and
+            # with them the call's arguments) in a traceback its outcome keeps.
+            raise fresh_error(exc)
         if lost:
             if pending:
                 self.failures.mark_stuck(calls[0].method, pending)
