@@ -22,7 +22,7 @@ import torch
 from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.config import set as dask_config
 from distributed import Client
-from hang_workers import HangWorker, LeakWorker, step_wall_clock, tensor_bytes
+from hang_workers import HangWorker, LeakWorker, SlowInitWorker, step_wall_clock, tensor_bytes
 
 import daskwg
 from daskwg import (
@@ -192,6 +192,38 @@ def test_register_timeout_config_and_innermost_deadline_bound_calls(hclient):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "slow"), [(2, (0, 1)), (3, (1,))])
+def test_a_deadline_around_group_construction_reports_init_running_with_its_stack(hclient, world_size, slow):
+    try:
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(3):
+                WorkerGroup(
+                    hclient, daskwg.ClassWithInitArgs(SlowInitWorker, 15, slow), world_size=world_size
+                )
+        err = info.value
+        message = str(err)
+        assert err.method == "__init__"
+        for rank in slow:
+            assert err.ranks[rank] == "running", message
+            assert f"rank {rank} still running '__init__' after" in message, message
+            assert "hang_workers.py" in err.stacks[rank] and "time.sleep" in err.stacks[rank], err.stacks[rank]
+        assert "wg.status()" not in message
+        assert "longer daskwg.deadline(s) around WorkerGroup(...)" in message
+    finally:
+        _until_idle(hclient)
+
+
+def _until_idle(client: Client, timeout: float = 120.0) -> None:
+    """Until no worker's host thread runs a call (an abandoned ``__init__`` ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        busy = client.run(lambda dask_worker: dask_worker.plugins["daskwg"].calls.running is not None)
+        if not any(busy.values()):
+            return
+        time.sleep(0.5)
+
+
 def test_a_future_wait_times_out_and_a_queued_rank_says_what_it_waits_behind(hclient):
     with WorkerGroup(hclient, HangWorker, world_size=2) as wg:
         futures = wg.sleep_async(3)

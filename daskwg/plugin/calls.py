@@ -156,13 +156,24 @@ def status_records(
 ) -> list[dict]:
     """What ``daskwg_status`` answers: one :func:`~daskwg.wire.messages.status_record` per rank in
     ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
-    call with its stack) and one per call queued for a rank; ``last_errors`` by the same keys."""
+    call with its stack), one ``"running"`` for a rank whose ``__init__`` runs (it is not
+    hosted yet), and one per call queued for a rank; ``last_errors`` by the same keys."""
     running = calls.running
     queued = calls.queued()
     # The same clock as the table's: a stepped wall clock (NTP, a VM resumed) must not turn
     # a call's age negative or inflate it.
     now = time.monotonic()
     records = []
+    if running is not None and (running.call.group_id, running.call.rank) not in hosted:
+        # A rank being built: its __init__ runs before the rank is hosted.
+        call = running.call
+        frame = sys._current_frames().get(running.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+        records.append(
+            status_record(
+                call.group_name, call.group_id, call.rank, "running", call, now - running.since, stack
+            )
+        )
     for (group_id, rank), h in hosted.items():
         last_error = last_errors.get((group_id, rank))
         if running is None or (running.call.group_id, running.call.rank) != (group_id, rank):
