@@ -207,7 +207,8 @@ def test_a_deadline_around_group_construction_reports_init_running_with_its_stac
         for rank in slow:
             assert err.ranks[rank] == "running", message
             assert f"rank {rank} still running '__init__' after" in message, message
-            assert "hang_workers.py" in err.stacks[rank] and "time.sleep" in err.stacks[rank], err.stacks[rank]
+            stack = err.stacks[rank]
+            assert "hang_workers.py" in stack and "time.sleep" in stack, stack
         assert "wg.status()" not in message
         assert "longer daskwg.deadline(s) around WorkerGroup(...)" in message
     finally:
