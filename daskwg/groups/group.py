@@ -336,7 +336,13 @@ class WorkerGroup(BoundGroup):
         old_slots = self._slots
         check_restartable(self._client, old_slots, self._name)
         self._transport.close()
-        self._slots = restart_workers(self._client, old_slots, self._transport.driver.health.lost, self._name)
+        self._slots = restart_workers(
+            self._client,
+            old_slots,
+            self._transport.driver.health.lost,
+            self._name,
+            Settings.current().restart_timeout,
+        )
         self._transport = GroupTransport(
             self._client, self._slots, self._name, self._group_id, self._owner, detached=self._detached
         )
