@@ -123,25 +123,30 @@ class WorkerLostError(WorkerGroupError):
     Attributes:
         rank: the rank whose worker was lost (``int``).
         address: that worker's address (``str``).
+        group: the name of the group that rank belongs to (``str``; ``None`` if unknown):
+            for a call that read a lost result, the producing group, not the caller's.
     """
 
-    def __init__(self, rank: int, address: str, detail: str = ""):
+    def __init__(self, rank: int, address: str, detail: str = "", group: str | None = None):
         self.rank = rank
         self.address = address
         self.detail = detail
+        self.group = group
         super().__init__(rank, address, detail)
 
     def __str__(self) -> str:
-        msg = f"the worker hosting rank {self.rank} ({self.address}) was lost"
+        of = f" of group {self.group!r}" if self.group else ""
+        msg = f"the worker hosting rank {self.rank}{of} ({self.address}) was lost"
         if self.detail:
             msg += f": {self.detail}"
+        broken = f"group {self.group!r} is broken" if self.group else "the group is broken"
         return msg + (
-            "; the group is broken: wg.restart() brings it back on fresh worker processes (rebuilding its "
+            f"; {broken}: wg.restart() brings it back on fresh worker processes (rebuilding its "
             "ranks, whose state is lost), or shut it down and build a new one"
         )
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.address, self.detail))
+        return (type(self), (self.rank, self.address, self.detail, self.group))
 
 
 class GroupBrokenError(WorkerGroupError):

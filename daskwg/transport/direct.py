@@ -164,7 +164,7 @@ class DirectPath:
         ]
         seqs = {c.rank: c.seq for c, _ in pending_calls}
         if failed:
-            exc = failed[0].exception()
+            exc = await self.failures.blame_lost_producer(failed[0].exception())
             if pending and isinstance(exc, RankError):
                 self.failures.unsettle(grace, calls[0].method, exc.rank, pending, seqs)
             elif pending and isinstance(exc, WorkerLostError):
