@@ -44,6 +44,7 @@ class Settings:
         call_timeout: the default deadline of every call and wait in seconds (``None``: none).
         status_timeout: seconds a worker gets to answer a status request.
         shutdown_timeout: seconds ``shutdown()`` waits for ranks to destroy their objects.
+        restart_timeout: seconds ``wg.restart()`` waits for the restarted worker processes.
         max_queued_calls: unfinished task-path calls per worker before the next one waits.
         scatter_above: argument bytes above which a task-path call's arguments go straight
             to the rank's worker.
@@ -74,6 +75,7 @@ class Settings:
     call_timeout: float | None
     status_timeout: float
     shutdown_timeout: float
+    restart_timeout: float
     max_queued_calls: int
     scatter_above: int
     inline_results: int
@@ -116,6 +118,8 @@ class Settings:
             call_timeout=None if timeout is None else float(timeout),
             status_timeout=float(config["status-timeout"]),
             shutdown_timeout=float(config["shutdown-timeout"]),
+            # A key a user's own copy of the defaults may lack.
+            restart_timeout=float(config.get("restart-timeout", 120.0)),
             max_queued_calls=int(config["max-queued-calls"]),
             scatter_above=int(config["scatter-above"]),
             inline_results=int(config["inline-results"]),

@@ -148,30 +148,39 @@ class WorkerLostError(WorkerGroupError):
         survivor_errors: the errors other ranks of the same call raised because of the
             loss (``list[RankError]``, e.g. gloo's "Connection reset by peer" inside a
             collective; the first is also the ``__context__``); empty when none did.
+        group: the name of the group that rank belongs to (``str``; ``None`` if unknown):
+            for a call that read a lost result, the producing group, not the caller's.
 
     When a worker is lost while a call runs or just before it, this error wins over the
     survivors' errors that the loss caused: it names the rank to look at.
     """
 
-    def __init__(self, rank: int, address: str, detail: str = ""):
+    def __init__(self, rank: int, address: str, detail: str = "", group: str | None = None):
         self.rank = rank
         self.address = address
         self.detail = detail
         self.survivor_errors: list = []
+        self.group = group
         super().__init__(rank, address, detail)
 
     def __str__(self) -> str:
-        msg = f"the worker hosting rank {self.rank} ({self.address}) was lost"
+        of = f" of group {self.group!r}" if self.group else ""
+        msg = f"the worker hosting rank {self.rank}{of} ({self.address}) was lost"
         if self.detail:
             msg += f": {self.detail}"
+        broken = f"group {self.group!r} is broken" if self.group else "the group is broken"
         return msg + (
-            "; the group is broken: wg.heal() rebuilds the lost rank on a free worker (the other ranks keep "
+            f"; {broken}: wg.heal() rebuilds the lost rank on a free worker (the other ranks keep "
             "their state), wg.restart() brings it back on fresh worker processes (rebuilding its "
             "ranks, whose state is lost), or shut it down and build a new one"
         )
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.address, self.detail), {"survivor_errors": self.survivor_errors})
+        return (
+            type(self),
+            (self.rank, self.address, self.detail, self.group),
+            {"survivor_errors": self.survivor_errors},
+        )
 
 
 class GroupBrokenError(WorkerGroupError):

@@ -106,6 +106,7 @@ from torch import nn
 
 import daskwg
 from daskwg import DataProto, DataProtoFuture, Dispatch, Execute, WorkerGroupError, WorkerLostError, register
+from daskwg.wire.frames import received_bytes
 
 # ---- the task: single-digit addition --------------------------------------------------------
 
@@ -776,17 +777,24 @@ def kill_worker(client, address: str) -> None:
 
 
 class DriverBytes:
-    """Bytes this process received over TCP, from the kernel's per-socket counters
-    (Linux ``TCP_INFO`` ``tcpi_bytes_received``), so everything counts whatever library
-    read it. ``sample()`` after every step adds each open socket's growth since the last
-    sample, so sockets that close later (a lost worker's) keep what they counted.
-    ``total`` is ``None`` where ``TCP_INFO`` is not available.
+    """Bytes this process received, by every transport the driver uses: over TCP, from the
+    kernel's per-socket counters (Linux ``TCP_INFO`` ``tcpi_bytes_received``), so everything
+    counts whatever library read it; and what daskwg's call streams received where no socket
+    counter sees it (Unix-domain sockets to workers of this host, shared-memory files;
+    ``daskwg.wire.frames.received_bytes``). ``sample()`` after every step adds each open
+    socket's growth since the last sample, so sockets that close later (a lost worker's)
+    keep what they counted. ``total`` is ``None`` where ``TCP_INFO`` is not available.
     """
+
+    #: The transports counted by daskwg's call streams alone (TCP ones the kernel counts).
+    NOT_TCP = ("unix", "files", "inproc")
 
     def __init__(self) -> None:
         self.total: int | None = 0 if sys.platform.startswith("linux") else None
+        self.by_transport = {"tcp": 0, **{kind: 0 for kind in self.NOT_TCP}}
         self._last: dict[tuple, int] = {}
         self._last = self._read()
+        self._last_streams = received_bytes()
 
     def _read(self) -> dict[tuple, int]:
         counts = {}
@@ -811,8 +819,14 @@ class DriverBytes:
         if self.total is None:
             return
         now = self._read()
-        self.total += sum(count - self._last.get(key, 0) for key, count in now.items())
+        tcp = sum(count - self._last.get(key, 0) for key, count in now.items())
         self._last = now
+        streams = received_bytes()
+        self.by_transport["tcp"] += tcp
+        for kind in self.NOT_TCP:
+            self.by_transport[kind] += streams[kind] - self._last_streams[kind]
+        self._last_streams = streams
+        self.total = sum(self.by_transport.values())
 
 
 def response_bytes(args: argparse.Namespace) -> tuple[int, int]:
@@ -1120,6 +1134,10 @@ def fit(client, args: argparse.Namespace, build=build_groups, add_worker=None) -
     print(f"one step's responses: {resp} bytes ({rollout} bytes with the rest of the rollout batch)")
     if received.total is not None and steps_run:
         print(f"driver bytes per step: {received.total // steps_run}")
+        print(
+            "driver bytes per step by transport: "
+            + ", ".join(f"{kind} {count // steps_run}" for kind, count in received.by_transport.items())
+        )
     else:
         print("driver bytes per step: n/a (needs Linux TCP_INFO)")
     if args.plan and groups.step_plan is not None:

@@ -29,6 +29,40 @@ pytest_plugins = ["timeout_report"]
 
 _FIGURES = pytest.StashKey[list]()
 
+#: wg.restart()'s own bound (daskwg.restart-timeout), before it is scaled by busy_factor().
+RESTART_TIMEOUT = 120.0
+
+
+def busy_factor() -> float:
+    """How many times longer than on an idle machine starting worker processes may take now:
+    the load average per core over the last minute, at least 1 (a 2-core machine at load 40
+    gives 20). Bounds that wait for processes to start are multiplied by it, so a busy CI box
+    makes a run slower, never a failure."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every test's pytest-timeout bound and wg.restart()'s wait, scaled by :func:`busy_factor`
+    as the test starts (before pytest-timeout reads the bound)."""
+    factor = busy_factor()
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        try:
+            seconds = item.config.getini("timeout")
+        except ValueError:  # pytest-timeout is not loaded
+            seconds = None
+    if seconds and factor > 1.0:
+        item.add_marker(pytest.mark.timeout(float(seconds) * factor), append=False)
+    dask.config.set({"daskwg.restart-timeout": RESTART_TIMEOUT * factor})
+    yield
+
 
 @pytest.fixture(scope="session")
 def figure(pytestconfig):
@@ -222,6 +256,9 @@ def cli_cluster4():
 
 
 def wait_for_workers(client: Client, n: int, timeout: float = 60) -> None:
+    """Until ``client``'s cluster has ``n`` workers, waiting at most ``timeout`` seconds
+    times :func:`busy_factor` (worker processes start slowly on a busy machine)."""
+    timeout *= busy_factor()
     deadline = time.monotonic() + timeout
     client.wait_for_workers(n, timeout=timeout)
     while len(client.scheduler_info(n_workers=-1)["workers"]) < n and time.monotonic() < deadline:

@@ -194,3 +194,16 @@ def tensor_bytes() -> int:
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+class SlowInitWorker(Worker):
+    """Its ``__init__`` sleeps ``seconds`` on the ranks in ``slow`` (a model still loading)."""
+
+    def __init__(self, seconds: float, slow: tuple = (0, 1)):
+        super().__init__()
+        if self.rank in slow:
+            time.sleep(seconds)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()

@@ -9,6 +9,7 @@ would need it, and checks that the work is done long before the loop is free aga
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -41,6 +42,20 @@ def hold_worker_loop(client, wg) -> threading.Thread:
     holder.start()
     time.sleep(0.3)  # the hold has begun
     return holder
+
+
+@contextlib.contextmanager
+def client_loop_held(client):
+    """Inside the block the client's event loop is held (a callback blocks it from before the
+    block starts until it ends), however the machine schedules the two threads: what the
+    block does cannot be waiting for the loop."""
+    held, release = threading.Event(), threading.Event()
+    client.loop.add_callback(lambda: (held.set(), release.wait(600)))
+    assert held.wait(600), "the client's event loop never ran the holding callback"
+    try:
+        yield
+    finally:
+        release.set()
 
 
 def wait_until(condition, timeout: float) -> float:
@@ -125,16 +140,12 @@ def test_the_last_reference_to_a_result_that_came_back_is_dropped_on_the_calling
     assert daskwg.get(futures) == [0]
     keys = [f.key for f in futures]
     assert all(k in owned.records for k in keys)
-    loop_free = threading.Event()
-    client4.loop.add_callback(lambda: (time.sleep(HELD), loop_free.set()))
-    time.sleep(0.2)  # the client's loop is held
-    del futures
-    gc.collect()
-    # Dropped at once, with the loop held: nothing of them waits for it.
-    assert not any(k in owned.records for k in keys)
-    assert not any(k in client4.futures for k in keys)
-    assert not loop_free.is_set()
-    loop_free.wait(HELD + 5)
+    with client_loop_held(client4):
+        del futures
+        gc.collect()
+        # Dropped at once, with the loop held: nothing of them waits for it.
+        assert not any(k in owned.records for k in keys)
+        assert not any(k in client4.futures for k in keys)
     # ... and the worker lets go of the result: its free went with the next call (or its timer).
     wg.nap(0)
 
@@ -158,13 +169,9 @@ def test_results_that_came_back_with_their_replies_are_read_without_an_event_loo
     assert daskwg.get(futures) == [0]
     assert runs == []
     # Dask's Future.result too: read here, with the client's loop held.
-    loop_free = threading.Event()
-    wg._transport.driver.client.loop.add_callback(lambda: (time.sleep(HELD), loop_free.set()))
-    time.sleep(0.2)
-    assert futures[0].result() == 0
-    assert daskwg.get(futures) == [0]  # and daskwg.get, all of them having come back
-    assert not loop_free.is_set()
-    loop_free.wait(HELD + 5)
+    with client_loop_held(wg._transport.driver.client):
+        assert futures[0].result() == 0
+        assert daskwg.get(futures) == [0]  # and daskwg.get, all of them having come back
 
 
 @pytest.mark.timeout(60)

@@ -567,6 +567,48 @@ def test_a_failed_producer_fails_the_consuming_call_and_later_calls_still_run(pl
         consumers.shutdown()
 
 
+def _failing_chain(shape: str, producers: WorkerGroup, consumers: WorkerGroup) -> None:
+    made = producers.make(seed(8, 1 << 16))  # 4 MiB of x and noise
+    if shape == "union":  # the input
+        consumers.summary(made.union(producers.make_or_fail(seed(8, 4))))
+    elif shape == "second-argument":
+        consumers.pair(made, producers.make_or_fail(seed(8, 4)))
+    elif shape == "non-blocking":
+        consumers.ids_async(made.union(producers.make_or_fail(seed(8, 4)))).get()
+    elif shape == "consumer-fails":
+        consumers.pair(made, made)  # no "j": the consuming rank raises KeyError
+
+
+def _keys_held(client: Client, group: str) -> tuple[list, dict]:
+    futures = [k for k in client.futures if group in str(k)]
+    data = client.run(lambda dask_worker: sum(group in str(k) for k in dask_worker.data))
+    return futures, {w: n for w, n in data.items() if n}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("shape", "chains"), [("union", 15), ("second-argument", 3), ("non-blocking", 3), ("consumer-fails", 3)]
+)
+def test_failed_chains_whose_errors_were_dropped_leave_nothing_on_the_cluster(plane, shape, chains):
+    client, pool = plane
+    producers, consumers = groups(client, pool, [2, 2], Producer, Consumer)
+    try:
+        for _ in range(chains):
+            with pytest.raises(RankError):
+                _failing_chain(shape, producers, consumers)
+        gc.collect()
+        # Releases travel to the scheduler and the workers asynchronously.
+        for _ in range(300):
+            held = _keys_held(client, producers.name)
+            if held == ([], {}):
+                break
+            threading.Event().wait(0.1)
+        assert held == ([], {})
+    finally:
+        producers.shutdown()
+        consumers.shutdown()
+
+
 def test_lazy_algebra_checks_its_arguments_in_the_driver():
     future = DataProtoFuture(futures=["part-0"])
     with pytest.raises(TypeError, match="union takes a DataProtoFuture or a DataProto"):

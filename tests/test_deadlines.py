@@ -22,7 +22,7 @@ import torch
 from conftest import CLICluster, process_cluster, wait_for_workers
 from dask.config import set as dask_config
 from distributed import Client
-from hang_workers import HangWorker, LeakWorker, step_wall_clock, tensor_bytes
+from hang_workers import HangWorker, LeakWorker, SlowInitWorker, step_wall_clock, tensor_bytes
 
 import daskwg
 from daskwg import (
@@ -225,6 +225,39 @@ def test_nested_deadlines_give_the_one_that_ends_first_whatever_the_order():
         # A block still takes precedence over a method's timeout, longer or shorter.
         assert current_limit(method_timeout=1.0) is outer
     assert current_limit() is None and current_limit(method_timeout=1.0).seconds == 1.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "slow"), [(2, (0, 1)), (3, (1,))])
+def test_a_deadline_around_group_construction_reports_init_running_with_its_stack(hclient, world_size, slow):
+    try:
+        with pytest.raises(CallTimeoutError) as info:
+            with daskwg.deadline(3):
+                WorkerGroup(
+                    hclient, daskwg.ClassWithInitArgs(SlowInitWorker, 15, slow), world_size=world_size
+                )
+        err = info.value
+        message = str(err)
+        assert err.method == "__init__"
+        for rank in slow:
+            assert err.ranks[rank] == "running", message
+            assert f"rank {rank} still running '__init__' after" in message, message
+            stack = err.stacks[rank]
+            assert "hang_workers.py" in stack and "time.sleep" in stack, stack
+        assert "wg.status()" not in message
+        assert "longer daskwg.deadline(s) around WorkerGroup(...)" in message
+    finally:
+        _until_idle(hclient)
+
+
+def _until_idle(client: Client, timeout: float = 120.0) -> None:
+    """Until no worker's host thread runs a call (an abandoned ``__init__`` ends)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        busy = client.run(lambda dask_worker: bool(dask_worker.plugins["daskwg"].calls.running_calls()))
+        if not any(busy.values()):
+            return
+        time.sleep(0.5)
 
 
 @pytest.mark.timeout(120)

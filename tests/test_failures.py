@@ -186,6 +186,33 @@ def test_a_finished_result_of_a_lost_worker_fails_its_consumer_naming_the_produc
         ]
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("read", ["consume-at-once", "consume-once-known", "get-at-once", "get-once-known"])
+def test_a_result_whose_producer_was_killed_names_the_producers_group_and_the_signal(read):
+    with process_cluster(4) as cluster, Client(cluster) as client:
+        producers_pool, consumers_pool = ResourcePool(client, world_size=4).split([2, 2])
+        producers = WorkerGroup(client, FaultWorker, workers=producers_pool, name="producers")
+        consumers = WorkerGroup(client, FaultWorker, workers=consumers_pool, name="consumers")
+        future = producers.echo_proto_async(DataProto.from_dict({"a": torch.arange(8)}))
+        producers.echo(0)  # calls run in order: the result is made and kept on its worker
+        os.kill(producers.pid()[1], signal.SIGKILL)
+        if read.endswith("once-known"):
+            deadline = time.monotonic() + 60
+            while not producers.is_broken and time.monotonic() < deadline:
+                time.sleep(0.05)
+        with pytest.raises(WorkerLostError) as info:
+            if read.startswith("consume"):
+                consumers.echo_proto(future)
+            else:
+                future.get()
+        message = str(info.value)
+        assert info.value.group == "producers", message
+        assert "rank 1 of group 'producers'" in message and "group 'producers' is broken" in message, message
+        assert "killed by signal 9 (SIGKILL)" in message, message
+        if read.startswith("consume"):
+            assert consumers.echo(5) == [5, 5]  # the consuming group is not broken
+
+
 def _fixed_port_cluster(n: int) -> SpecCluster:
     # Fixed worker ports: a restarted worker comes back at the same address.
     workers = {

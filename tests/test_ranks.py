@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import gpu_spec_cluster
+from conftest import gpu_spec_cluster, wait_for_workers
 from distributed import Client
 from workers import AddWorker
 
@@ -35,7 +35,7 @@ def rotated_gpu_client():
     # dask-cuda rotates the list so each worker's first entry is its own GPU.
     devices = ["2,3,0,1", "0,1,2,3", "3,0,1,2", "1,2,3,0"]
     with gpu_spec_cluster(devices) as cluster, Client(cluster) as client:
-        client.wait_for_workers(4, timeout=60)
+        wait_for_workers(client, 4, timeout=60)
         yield client
 
 

@@ -31,7 +31,7 @@ from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
 from .heal import MembershipReport, heal_group, keep_spares, resize_group
 from .install import check_versions, install_plugins, version_of
-from .pool import ResourcePool, WorkerSlot, pick_free
+from .pool import ResourcePool, WorkerSlot, check_one_rank_per_process, in_this_process, pick_free
 from .restart import check_restartable, restart_workers
 from .roles import RoleGroup, spawn_role_groups
 
@@ -57,7 +57,8 @@ class WorkerGroup(BoundGroup):
 
     Raises:
         TypeError: arguments of the wrong type.
-        ValueError: ``worker_env`` sets a rank variable; a duplicate group name.
+        ValueError: ``worker_env`` sets a rank variable; a duplicate group name; two ranks would run
+            in one process (in-process workers: they would share one ``os.environ``).
         WorldSizeError: more ranks than matching workers.
         OSError: ``master_port`` is in use on rank 0's host.
         RankError: the class's ``__init__`` raised on a rank (nothing is left on the
@@ -111,10 +112,12 @@ class WorkerGroup(BoundGroup):
             busy = GroupTransport.driver_of(client).sequencer.busy_call
             pool = pick_free(client, world_size, workers, dict(resources) if resources else None, busy)
         group_id = uuid.uuid4().hex
+        name = name or f"{cls_with_init.cls.__name__}-{group_id[:8]}"
+        check_one_rank_per_process(pool.slots, name)
         self._setup(
             client,
             cls_with_init.cls,
-            name or f"{cls_with_init.cls.__name__}-{group_id[:8]}",
+            name,
             group_id,
             pool.slots,
             client.id,
@@ -217,6 +220,10 @@ class WorkerGroup(BoundGroup):
                 },
                 "detached": self._detached,
                 "world_size": self.world_size,
+                # A worker in this very process (LocalCluster(processes=False)) puts the
+                # rank's variables in place for each call only: this process's own
+                # environment is the driver's.
+                "scoped_env": in_this_process(slot),
                 # Read in the driver, so a setting applies to the groups it builds there.
                 "skip_signal_handlers": settings.skip_signal_handlers,
                 "check_process_group": settings.check_process_group,
@@ -224,7 +231,7 @@ class WorkerGroup(BoundGroup):
                 "wire": WIRE_FORMAT,
                 "daskwg": version_of("daskwg"),
             }
-            for rank, host in enumerate(hosts)
+            for rank, (host, slot) in enumerate(zip(hosts, self._slots))
         ]
 
     # ---- public API ------------------------------------------------------------------
@@ -341,7 +348,13 @@ class WorkerGroup(BoundGroup):
         old_slots = self._slots
         check_restartable(self._client, old_slots, self._name)
         self._transport.close()
-        self._slots = restart_workers(self._client, old_slots, self._transport.driver.health.lost, self._name)
+        self._slots = restart_workers(
+            self._client,
+            old_slots,
+            self._transport.driver.health.lost,
+            self._name,
+            Settings.current().restart_timeout,
+        )
         self._transport = GroupTransport(
             self._client, self._slots, self._name, self._group_id, self._owner, detached=self._detached
         )

@@ -18,7 +18,14 @@ from distributed.comm.addressing import get_address_host
 
 from ..errors import WorldSizeError
 
-__all__ = ["ResourcePool", "WorkerSlot", "rank_order", "pick_free"]
+__all__ = [
+    "ResourcePool",
+    "WorkerSlot",
+    "rank_order",
+    "pick_free",
+    "check_one_rank_per_process",
+    "in_this_process",
+]
 
 
 @dataclass(frozen=True)
@@ -270,3 +277,43 @@ def pick_free(
         return pool
     free = [s for s in ResourcePool(client, None, None, resources).slots if not busy(s)]
     return ResourcePool(client, _slots=free[:world_size]) if len(free) >= world_size else pool
+
+
+def _process_of(slot: WorkerSlot) -> tuple | None:
+    # A process is its id and start time (to a clock tick): two hosts' processes that
+    # share an id started at different times.
+    return None if slot.pid is None else (slot.pid, round(slot.started, 1))
+
+
+def in_this_process(slot: WorkerSlot) -> bool:
+    """Whether ``slot``'s Dask worker runs in this (the driver's) process, as the workers
+    of ``LocalCluster(processes=False)`` do."""
+    return slot.pid == os.getpid() and _process_of(slot) == (os.getpid(), round(process_started(), 1))
+
+
+def check_one_rank_per_process(slots: Sequence[WorkerSlot], name: str) -> None:
+    """Refuse a group two of whose ranks would run in one process.
+
+    A rank's environment (``RANK``, ``MASTER_PORT``, ``worker_env``, ...) is the process's
+    ``os.environ``, which ``torch.distributed`` and verl's ``Worker`` read: the ranks of
+    in-process workers (``LocalCluster(processes=False)``) would read each other's values,
+    as the ranks of a Ray job never do (one actor, one process).
+
+    Raises:
+        ValueError: two slots are workers of one process (named, with what to do).
+    """
+    by_process: dict[tuple, list[int]] = {}
+    for rank, slot in enumerate(slots):
+        key = _process_of(slot)
+        if key is not None:
+            by_process.setdefault(key, []).append(rank)
+    shared = {key: ranks for key, ranks in by_process.items() if len(ranks) > 1}
+    if shared:
+        (pid, _), ranks = next(iter(shared.items()))
+        raise ValueError(
+            f"group {name!r}: ranks {ranks} would run in one process (pid {pid}: workers "
+            f"{[slots[r].address for r in ranks]}), where they would share one os.environ and read each "
+            "other's RANK, MASTER_PORT and worker_env. Start the workers as processes "
+            "(daskwg.local_cluster() without processes=False, or dask worker with a nanny), or give the "
+            "group one rank per process (world_size=1 on an in-process cluster)"
+        )

@@ -173,8 +173,8 @@ def status_records(
     """What ``daskwg_status`` answers: one :func:`~daskwg.wire.messages.status_record` per rank in
     ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
     call with its stack), one more per call of a named concurrency group running beside it
-    (after the rank's first record), and one per call queued for a rank; ``last_errors`` by
-    the same keys."""
+    (after the rank's first record), one ``"running"`` for a rank whose ``__init__`` runs (it
+    is not hosted yet), and one per call queued for a rank; ``last_errors`` by the same keys."""
     running = calls.running_calls()
     queued = calls.queued()
     frames = sys._current_frames()
@@ -182,6 +182,16 @@ def status_records(
     # a call's age negative or inflate it.
     now = time.monotonic()
     records = []
+    for r in running:
+        if (r.call.group_id, r.call.rank) not in hosted:
+            # A rank being built: its __init__ runs before the rank is hosted.
+            frame = frames.get(r.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else None
+            records.append(
+                status_record(
+                    r.call.group_name, r.call.group_id, r.call.rank, "running", r.call, now - r.since, stack
+                )
+            )
     for (group_id, rank), h in hosted.items():
         last_error = last_errors.get((group_id, rank))
         mine = [r for r in running if (r.call.group_id, r.call.rank) == (group_id, rank)]

@@ -143,6 +143,7 @@ class HostPlugin(WorkerPlugin):
             self._hosted.clear()
         for h in hosted:
             h.close_loop(wait=False)
+        self._env.release()
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self._hosted_lock:
             group_executors = list(self._group_executors.values())
@@ -377,15 +378,22 @@ class HostPlugin(WorkerPlugin):
         env = {**self._socket_env, **payload["env"]}
         skip_signals = bool(payload.get("skip_signal_handlers", False))
         check_pg = bool(payload.get("check_process_group", True))
+        scoped = bool(payload.get("scoped_env", False))
         self._process_groups.check(call, payload["world_size"], check_pg)
+        self._env.claim(self.address, f"rank {call.rank} of group {call.group_name!r}")
         self._env.apply(env, force=True)
         if skip_signals:
             install_signal_shim()
         rank_thread.skip_signal_handlers = skip_signals
         try:
             instance = payload["cls"]()
+        except BaseException:
+            self._release_env_if_idle()
+            raise
         finally:
             self._process_groups.note(call, payload["world_size"])
+            if scoped:
+                self._env.restore()
         with self._hosted_lock:
             self._hosted[key] = HostedRank(
                 instance=instance,
@@ -396,6 +404,7 @@ class HostPlugin(WorkerPlugin):
                 world_size=payload["world_size"],
                 skip_signal_handlers=skip_signals,
                 check_process_group=check_pg,
+                scoped_env=scoped,
             )
 
     def _rejoin(self, call: Call, payload: dict) -> bool:
@@ -432,8 +441,16 @@ class HostPlugin(WorkerPlugin):
         hosted.close_loop(wait=True)
         del hosted
         self._drop_process_group(call.group_id)
+        self._release_env_if_idle()
         gc.collect()
         return True
+
+    def _release_env_if_idle(self) -> None:
+        # Another worker of this process may host ranks once this one hosts none.
+        with self._hosted_lock:
+            idle = not self._hosted
+        if idle:
+            self._env.release()
 
     def _drop_process_group(self, group_id: str) -> None:
         with self._hosted_lock:
@@ -469,6 +486,8 @@ class HostPlugin(WorkerPlugin):
             result = strip_padding(hosted.call(call, args, kwargs), padding)
         finally:
             self._process_groups.note(call, hosted.world_size)
+            if hosted.scoped_env:
+                self._env.restore()
         if boxed:
             # The arguments are gone now, unless the rank kept them: what the result
             # shares with them is the rank's own.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tensordict import TensorDictBase
 
@@ -54,12 +55,42 @@ class ProcessEnv:
     place before every call (calls run one at a time on the host thread). Keys another
     group's env set and this one lacks (its ``worker_env``) go back to the process's own
     value, so no group sees another group's variables.
+
+    One process has one environment, so only one Dask worker of a process may host ranks
+    (:meth:`claim`): the workers of ``LocalCluster(processes=False)`` run their calls on
+    threads of their own, at the same time. A worker in the driver's own process puts the
+    variables in place for each call only (:meth:`restore` after it), so the driver's
+    environment is left as it was.
     """
+
+    #: The ProcessEnv of every worker of this process whose ranks hold the environment.
+    _claimed: ClassVar[weakref.WeakSet] = weakref.WeakSet()
 
     def __init__(self) -> None:
         self._current: dict | None = None
         self._applied: set[str] = set()
         self._original: dict[str, str | None] = {}
+
+    def claim(self, worker: str, what: str) -> None:
+        """Take this process's environment for the ranks of ``worker`` (its address), about
+        to host ``what`` (a rank, for the message).
+
+        Raises:
+            ValueError: another Dask worker of this process hosts ranks.
+        """
+        others = [env for env in self._claimed if env is not self]
+        if others:
+            raise ValueError(
+                f"{what} cannot be hosted on {worker}: another Dask worker of this process (pid "
+                f"{os.getpid()}) hosts ranks, and the two would share one os.environ (RANK, MASTER_PORT, "
+                "worker_env). Start the workers as processes (daskwg.local_cluster() without "
+                "processes=False, or dask worker with a nanny), or host ranks on one worker per process"
+            )
+        self._claimed.add(self)
+
+    def release(self) -> None:
+        """This worker hosts no rank any more."""
+        self._claimed.discard(self)
 
     def apply(self, env: dict, *, force: bool = False) -> None:
         """Make ``os.environ`` hold ``env`` on top of the process's own variables
@@ -78,6 +109,18 @@ class ProcessEnv:
         self._applied = set(env)
         self._current = env
 
+    def restore(self) -> None:
+        """Give every variable :meth:`apply` set back its value from before (or unset it)."""
+        for key in self._applied:
+            original = self._original.get(key)
+            if original is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = original
+        self._applied = set()
+        self._original = {}
+        self._current = None
+
 
 @dataclass
 class HostedRank:
@@ -93,6 +136,8 @@ class HostedRank:
         skip_signal_handlers: rank code may "install" SIGTERM/SIGINT handlers off the main thread.
         check_process_group: refuse calls while another group's default process group is here.
         rank_loop: the event loop of its ``async def`` methods, once one ran.
+        scoped_env: its environment is in place during its calls only (a worker in the
+            driver's own process).
     """
 
     instance: Any
@@ -104,6 +149,7 @@ class HostedRank:
     skip_signal_handlers: bool = False
     check_process_group: bool = True
     rank_loop: RankLoop | None = None
+    scoped_env: bool = False
 
     def close_loop(self, wait: bool) -> None:
         """Stop the rank's event loop (its tasks are cancelled); ``wait``: join its thread."""

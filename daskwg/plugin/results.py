@@ -78,6 +78,15 @@ class ResultStore:
         #: called with the keys of every :meth:`free` (``daskwg.plugin.shared`` closes their files).
         self.on_free: list[Callable[[list[str]], None]] = []
 
+    def for_dask(self, value: Any) -> Any:
+        """What Dask's data holds for a result: the ``Packed`` snapshot itself (Dask sends its
+        frames, and a receiving process gets the value back), except on a worker whose comms
+        do not serialise (``inproc://``, ``LocalCluster(processes=False)``), where Dask would
+        hand the ``Packed`` to ``client.gather`` and to tasks as it is: there, its value."""
+        if isinstance(value, serialization.Packed) and self.worker.address.startswith("inproc://"):
+            return serialization.loads(value)
+        return value
+
     def install(self) -> None:
         """Install the ``daskwg_fetch``, ``daskwg_part_info``, ``daskwg_free`` and
         ``daskwg_publish`` handlers."""
@@ -175,7 +184,9 @@ class ResultStore:
         with self._lock:
             values = {k: self._values.pop(k) for k in keys if k in self._values}
         if values:
-            self.worker.update_data(values, stimulus_id=f"daskwg-publish-{time.time()}")
+            self.worker.update_data(
+                {k: self.for_dask(v) for k, v in values.items()}, stimulus_id=f"daskwg-publish-{time.time()}"
+            )
         return {k: v.nbytes for k, v in values.items()}
 
     # ---- the consumers' side -------------------------------------------------------

@@ -84,6 +84,8 @@ async def serve(
             frames.files = memfiles.send_files() if message[2] else None
         else:
             logger.warning("daskwg call stream: unknown message %r ignored", message[0])
+        # A call's arguments are not kept here until the driver's next message.
+        message = buffers = None
     return Status.dont_reply
 
 

@@ -32,7 +32,8 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
         task_key: this task's key.
 
     Returns:
-        the call's result, snapshotted at return (a ``serialization.Packed``).
+        the call's result, snapshotted at return (a ``serialization.Packed``; its value on an
+        in-process worker, see :meth:`~daskwg.plugin.results.ResultStore.for_dask`).
 
     Raises:
         RankError: the call failed on the rank.
@@ -52,7 +53,7 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
         _leave_executing(worker, task_key)
     result = host.enqueue(call, _unwrap_payload(payload), lazy_values)
     try:
-        return await asyncio.wrap_future(result)
+        return host.results.for_dask(await asyncio.wrap_future(result))
     except asyncio.CancelledError:
         if result.cancelled():
             return None  # skipped by cancel_call: Dask already dropped the task

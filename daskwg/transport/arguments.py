@@ -146,6 +146,7 @@ def _check_held(driver: Driver, futures: Sequence[Any]) -> None:
             address,
             f"{call.group_name}.{call.method} (rank {call.rank}) kept its result there, which this call "
             f"reads ({driver.health.lost[call.worker_id]}); call {call.method!r} again for a new one",
+            call.group_name,
         )
 
 

@@ -23,7 +23,7 @@ from ..wire import messages as wire
 from ..wire.messages import Call
 from .driver import GroupRanks
 from .failure import root_cause
-from .failure.state import CallWatch, FailureState, transfer_error
+from .failure.state import CallWatch, FailureState, fresh_error, transfer_error
 from .failure.waiting import timeout_error
 from .streams import CallStreams
 
@@ -180,12 +180,14 @@ class DirectPath:
                 self.failures.mark_stuck(calls[0].method, pending, seqs)
             raise root_cause.with_survivors(self.failures.lost(dead), errors)
         if failed:
-            exc = failed[0].exception()
+            exc = await self.failures.blame_lost_producer(failed[0].exception())
             if pending and isinstance(exc, RankError):
                 self.failures.unsettle(grace, calls[0].method, exc.rank, pending, seqs)
             elif pending and isinstance(exc, WorkerLostError):
                 self.failures.mark_stuck(calls[0].method, pending, seqs)
-            raise exc
+            # A copy: the stored error, raised, would gather the caller's frames (and
+            # with them the call's arguments) in a traceback its outcome keeps.
+            raise fresh_error(exc)
         if lost:
             if pending:
                 self.failures.mark_stuck(calls[0].method, pending)

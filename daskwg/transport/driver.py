@@ -102,6 +102,7 @@ class Driver:
         #: the results of this driver's non-blocking calls, and the streams they go on.
         self.streams = CallStreams(client.connection_args, self.health.stream_epochs)
         self.owned = Owned(client, self.streams)
+        self.owned.lost_reason = self.health.lost_reason
 
     @classmethod
     def of(cls, client: Client) -> Driver:

@@ -48,7 +48,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,9 @@ from .call_future import CallFuture, OwnedState
 from .frees import Frees
 from .gather import route_gather
 from .streams import CallStreams
+
+#: Seconds a read of a result whose stream dropped waits for the word on why its worker went.
+LOST_REASON_WAIT = 4.0
 
 __all__ = ["Owned", "OwnedResult", "REGISTER_AFTER"]
 
@@ -131,6 +134,9 @@ class Owned:
         # call's results wakes once, not at every rank's reply.
         self._waiters: list[tuple[threading.Event, Any]] = []
         self.streams = streams
+        #: ``(address, server id) -> why that worker process went away`` (``None``: not
+        #: known), the driver's ``WorkerHealth.lost_reason``.
+        self.lost_reason: Callable[[str, str], str | None] = lambda address, server_id: None
         #: results dropped here, on their way to be dropped on their workers.
         self.frees = Frees(client, streams)
         self._drops: list[str] = []  # released references, for the loop (queue_drop)
@@ -531,6 +537,14 @@ class Owned:
             rec.inline = None
         return True, serialization.loads(packed)
 
+    async def _lost_reason(self, address: str, server_id: str) -> str | None:
+        deadline = time.monotonic() + LOST_REASON_WAIT
+        while True:
+            reason = self.lost_reason(address, server_id)
+            if reason or time.monotonic() >= deadline:
+                return reason
+            await asyncio.sleep(0.05)
+
     async def _fetch_one(self, rec: OwnedResult | None, key: str, streams: CallStreams) -> Any:
         held, value = self._held(rec, key)
         if held:
@@ -540,8 +554,15 @@ class Owned:
         try:
             reply, buffers = await streams.request(rec.address, call.worker_id, message, [])
         except (OSError, CommClosedError) as exc:
+            # A dropped stream comes before the nanny's or the scheduler's word on why
+            # (a signal, a restart for memory): give those a moment.
+            reason = await self._lost_reason(rec.address, call.worker_id)
             raise WorkerLostError(
-                call.rank, rec.address, f"reading the result of {call.method!r}: {exc}"
+                call.rank,
+                rec.address,
+                f"{call.group_name}.{call.method} (rank {call.rank}) kept its result there "
+                f"({reason or f'reading it failed: {exc}'})",
+                call.group_name,
             ) from None
         _, _, status, _, error, header, _ = reply
         if status != "OK":

@@ -148,6 +148,10 @@ class _Stream:
                 callback = self.pending.pop(reply[1], None)
                 if callback is not None:
                     callback(reply, buffers)
+                # Not kept until the next reply comes (which may be never): the callback
+                # holds its call's outcome, a failed call's error (whose traceback holds the
+                # caller's frames and arguments), and the buffers a result.
+                reply = buffers = callback = None
         except Exception as exc:  # noqa: BLE001 - closed, reset, or a reply that did not load
             reason = exc
         self.closed = True

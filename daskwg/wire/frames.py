@@ -23,6 +23,7 @@ import asyncio
 import errno
 import logging
 import pickle
+import socket
 import struct
 import threading
 import weakref
@@ -35,7 +36,7 @@ from tornado.iostream import SSLIOStream
 from . import memfiles
 from .buffers import receive_buffer
 
-__all__ = ["FrameStream"]
+__all__ = ["FrameStream", "received_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,26 @@ _SMALL = 1 << 16
 #: Bytes of the read buffer (what one socket read may take), at least a message's worth of
 #: small buffers; a larger message grows it for as long as it is being read.
 _READ_BUFFER = 4 * _SMALL
+
+
+# Bytes this process received on call streams, by the way they came (received_bytes()).
+_received = {"tcp": 0, "unix": 0, "files": 0, "inproc": 0}
+_received_lock = threading.Lock()
+
+
+def received_bytes() -> dict[str, int]:
+    """Bytes this process has received on daskwg's call streams, by transport: ``"tcp"``
+    (TCP or TLS sockets, which the kernel's per-socket counters, ``TCP_INFO``, count too),
+    ``"unix"`` (Unix-domain sockets to workers of this host), ``"files"`` (buffers of this
+    host's peers mapped from shared-memory files, which no socket counter sees) and
+    ``"inproc"`` (in-process comms). Dask's own messages are not counted."""
+    with _received_lock:
+        return dict(_received)
+
+
+def _count(kind: str, nbytes: int) -> None:
+    with _received_lock:
+        _received[kind] += nbytes
 
 
 class FrameStream:
@@ -66,6 +87,14 @@ class FrameStream:
         self._rbuf = bytearray(_READ_BUFFER if self._stream is not None else 0)
         self._rview = memoryview(self._rbuf)
         self._rpos = self._rend = 0
+        sock = getattr(self._stream, "socket", None)
+        self._kind = (
+            "inproc"
+            if self._stream is None
+            else "unix"
+            if sock is not None and sock.family == socket.AF_UNIX
+            else "tcp"
+        )
         # Writes from other threads (write_now) and the loop's own (write) take turns:
         # _writing counts the loop's writes under way; _backlog is what write_now could not
         # put on the socket at once, which goes out on the loop before anything else.
@@ -274,7 +303,9 @@ class FrameStream:
         """
         if self._stream is None:
             frame = await self.comm.read()
-            return pickle.loads(frame["m"]), [np.frombuffer(bytearray(b), dtype=np.uint8) for b in frame["b"]]
+            buffers = [np.frombuffer(bytearray(b), dtype=np.uint8) for b in frame["b"]]
+            _count("inproc", len(frame["m"]) + sum(b.nbytes for b in buffers))
+            return pickle.loads(frame["m"]), buffers
         try:
             await self._fill(_HEAD.size)
             n, count = _HEAD.unpack_from(self._rbuf, self._rpos)
@@ -300,9 +331,11 @@ class FrameStream:
                 for size in sizes:
                     buffers.append(await self._read_buffer(size))
             self._shrink()
+            _count(self._kind, _HEAD.size + _SIZE.size * count + n + sum(sizes))
             if infile is not None:
                 try:
                     message, buffers = infile.take(buffers)
+                    _count("files", max(0, sum(memoryview(b).nbytes for b in buffers) - sum(sizes)))
                 except OSError as exc:
                     if exc.errno in (errno.EMFILE, errno.ENFILE):
                         hint = "this process has too many open files: raise its limit (ulimit -n)"

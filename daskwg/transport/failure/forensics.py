@@ -202,10 +202,18 @@ def verdict(
             parts.append(f"rank {rank} lost (worker {addresses[rank]} is gone)")
         else:
             parts.append(f"rank {rank} done")
-    return (
-        f"{group}.{method} passed its deadline of {timeout:g} s: " + "; ".join(parts) + ". The ranks keep "
-        "running the call; wg.status() shows them, wg.restart() replaces their processes"
-    )
+    if method == "__init__":
+        # No group to call wg.status() on: it was never built.
+        advice = (
+            "The group is not built: each rank's __init__ runs to its end and the rank is then destroyed. "
+            "If __init__ is slow rather than stuck (loading a model, a rendezvous), give it longer: a longer "
+            "daskwg.deadline(s) around WorkerGroup(...), or the daskwg.call-timeout setting"
+        )
+    else:
+        advice = (
+            "The ranks keep running the call; wg.status() shows them, wg.restart() replaces their processes"
+        )
+    return f"{group}.{method} passed its deadline of {timeout:g} s: " + "; ".join(parts) + ". " + advice
 
 
 _ORDER = {"running": 0, "unresponsive": 1, "lost": 2, "queued": 3, "done": 4}

@@ -229,7 +229,8 @@ class WorkerHealth:
             owned = [f for f in orphans if owned_results.record(f) is not None]
             orphans = [f for f in orphans if owned_results.record(f) is None]
             owned_results.lost(
-                [f.key for f in owned], lambda rec: WorkerLostError(rec.call.rank, address, reason)
+                [f.key for f in owned],
+                lambda rec: WorkerLostError(rec.call.rank, address, reason, rec.call.group_name),
             )
             self.driver.streams.forget(address)
             if orphans:
@@ -237,7 +238,9 @@ class WorkerHealth:
                 # state) in a plain future.result(): it fails with WorkerLostError.
                 calls = self.driver.calls
                 errors = [
-                    WorkerLostError(calls[f].call.rank if f in calls else -1, address, reason)
+                    WorkerLostError(calls[f].call.rank, address, reason, calls[f].call.group_name)
+                    if f in calls
+                    else WorkerLostError(-1, address, reason)
                     for f in orphans
                 ]
                 asyncio.ensure_future(losses.fail_futures(self.client, orphans, errors))

@@ -254,7 +254,7 @@ class FailureState:
         """The scheduler (or a dropped connection) says the worker at ``address`` is gone."""
         for rank, slot in enumerate(self.ranks.slots):
             if slot.address == address and slot.server_id in self.driver.health.lost and self.broken is None:
-                self.broken = WorkerLostError(rank, address, reason)
+                self.broken = WorkerLostError(rank, address, reason, self.ranks.name)
 
     def raise_if_lost(self, ranks: Sequence[int]) -> None:
         """Raise the group's :class:`WorkerLostError` if a worker of ``ranks`` is gone."""
@@ -268,7 +268,7 @@ class FailureState:
         """The group's error now that ``rank``'s worker is known to be gone (set once)."""
         slot = self.ranks.slots[rank]
         self.broken = self.broken or WorkerLostError(
-            rank, slot.address, self.driver.health.lost[slot.server_id]
+            rank, slot.address, self.driver.health.lost[slot.server_id], self.ranks.name
         )
         return fresh_error(self.broken)
 
@@ -281,7 +281,11 @@ class FailureState:
         )
         reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
-        return fresh_error(self.broken) if self.broken else WorkerLostError(rank, slot.address, str(exc))
+        return (
+            fresh_error(self.broken)
+            if self.broken
+            else WorkerLostError(rank, slot.address, str(exc), self.ranks.name)
+        )
 
     async def _lost_reason(self, address: str, server_id: str, fallback: str) -> str:
         # A dropped connection comes before the scheduler's or the nanny's word on why
@@ -292,6 +296,35 @@ class FailureState:
             if reason or time.monotonic() >= deadline:
                 return reason or fallback
             await asyncio.sleep(0.05)
+
+    async def blame_lost_producer(self, exc: BaseException) -> BaseException:
+        """``exc`` as the caller should see it: a consuming rank's ``RankError`` whose rank
+        could not fetch an input because the producing rank's worker went away becomes that
+        producer's :class:`WorkerLostError`, naming the producing group (the one that is
+        broken: the consuming group is not) and, when the nanny or scheduler says so within
+        a moment, why it went (a signal, a restart for memory); any other error as it is."""
+        lost = exc.exception if isinstance(exc, RankError) else None
+        if not isinstance(lost, WorkerLostError):
+            return exc
+        slot, group = None, lost.group
+        for transport in list(self.driver.transports):
+            slots = transport.ranks.slots
+            if 0 <= lost.rank < len(slots) and slots[lost.rank].address == lost.address:
+                slot, group = slots[lost.rank], transport.ranks.name
+                break
+        reason = None
+        if slot is not None:
+            reason = self.driver.health.lost.get(slot.server_id) or await self._lost_reason(
+                slot.address, slot.server_id, ""
+            )
+        detail = f"{lost.detail} ({reason})" if reason else lost.detail
+        return WorkerLostError(
+            lost.rank,
+            lost.address,
+            f"{detail}; {self.ranks.name}.{exc.method} on rank {exc.rank} reads that result "
+            f"({self.ranks.name!r} itself is not broken)",
+            group,
+        )
 
     async def response_error(self, call: Call, exc: BaseException) -> BaseException:
         """The error a failed direct call raises in the driver: never a bare
@@ -309,7 +342,11 @@ class FailureState:
         )
         reason = self.driver.health.mark_lost(slot.server_id, reason)
         self.worker_lost(slot.address, reason)
-        return fresh_error(self.broken) if self.broken else WorkerLostError(call.rank, slot.address, reason)
+        return (
+            fresh_error(self.broken)
+            if self.broken
+            else WorkerLostError(call.rank, slot.address, reason, call.group_name)
+        )
 
     def await_loss_news(self, rank: int, seconds: float = 3.0) -> None:
         """A task cancelled by Dask (``client.restart()``, a retired worker) is followed
