@@ -154,6 +154,23 @@ def test_reading_a_cancelled_call_raises_call_cancelled_error(client, wg, read):
     assert _answers(wg)
 
 
+@pytest.mark.parametrize("cancel", CANCELS)
+def test_a_cancel_right_after_the_call_is_never_lost_whatever_the_call_was_doing(client, wg, cancel):
+    # Sent at once, the cancel reaches a rank before its call is taken, as it is taken, before
+    # its coroutine's task exists, or while it awaits: every time the call ends (an endless
+    # generation, unless cancelled), and the group answers within the deadline.
+    for _ in range(6):
+        wg.take_events()
+        running = wg.generate(batch(steps=10**6, step_s=0.05))
+        CANCELS[cancel](client, running)
+        with pytest.raises(CallCancelledError):
+            running.get()
+        with daskwg.deadline(30):
+            assert _answers(wg)
+        for events in wg.take_events():
+            assert events in (["double ran"], ["generate started", "generate cancelled", "double ran"]), events
+
+
 def test_distributed_wait_on_a_cancelled_call_raises_dasks_futures_cancelled_error(client, wg):
     running = wg.generate(batch(steps=1200, step_s=0.05))
     running.cancel()

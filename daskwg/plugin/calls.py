@@ -135,10 +135,26 @@ class CallTable:
                 call.rank,
             )
             return "skipped"
-        running = self._running.get(call.concurrency_group)
-        if running is None or (running.call.session, running.call.seq) != (call.session, call.seq):
+        if result.done():
             return "done"
-        self._cancelled.add((call.session, call.seq))
+        key = (call.session, call.seq)
+        # Marked before looking at what runs: a call its host thread took but has not begun
+        # (before CallTable.start, or before its coroutine's task exists) reads the mark
+        # there and does not begin (was_cancelled), so a cancel is never lost in between.
+        self._cancelled.add(key)
+        if result.done():  # it ended meanwhile: its outcome went out without the mark
+            self._cancelled.discard(key)
+            return "done"
+        running = self._running.get(call.concurrency_group)
+        if running is None or (running.call.session, running.call.seq) != key:
+            logger.info(
+                "cancelled call %d (%r) of group %r rank %d as it was starting: it does not begin",
+                call.seq,
+                call.method,
+                call.group_name,
+                call.rank,
+            )
+            return "skipped"
         task = rank_loop.task_of(call.concurrency_group) if rank_loop is not None else None
         if task is not None:
             rank_loop.loop.call_soon_threadsafe(task.cancel)
@@ -159,7 +175,8 @@ class CallTable:
         return "running"
 
     def was_cancelled(self, call: Call) -> bool:
-        """Whether ``call``'s future was cancelled while it ran."""
+        """Whether ``call``'s future was cancelled after its host thread took it (while it
+        ran, or as it was starting)."""
         return (call.session, call.seq) in self._cancelled
 
     def forget_cancelled(self, call: Call) -> None:

@@ -49,7 +49,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..config import Settings
-from ..errors import GroupBrokenError, RankError, VersionMismatchError, safe_str
+from ..errors import CallCancelledError, GroupBrokenError, RankError, VersionMismatchError, safe_str
 from ..serialization import registration  # noqa: F401  (tensors, DataProtos, Packed results: daskwg's frames and sizeof)
 from ..wire import local_link
 from ..wire import messages as wire
@@ -336,6 +336,9 @@ class HostPlugin(WorkerPlugin):
         t0 = time.perf_counter()
         self.calls.start(call)
         try:
+            if self.calls.was_cancelled(call):
+                # Cancelled as its host thread took it (CallTable.cancel): it does not begin.
+                raise CallCancelledError(call.method, call.rank)
             if call.method == "__del__":
                 return self._destroy(call)
             self._ensure_host_loop()
@@ -483,7 +486,9 @@ class HostPlugin(WorkerPlugin):
         self._env.apply(hosted.env)
         rank_thread.skip_signal_handlers = hosted.skip_signal_handlers
         try:
-            result = strip_padding(hosted.call(call, args, kwargs), padding)
+            result = strip_padding(
+                hosted.call(call, args, kwargs, lambda: self.calls.was_cancelled(call)), padding
+            )
         finally:
             self._process_groups.note(call, hosted.world_size)
             if hosted.scoped_env:

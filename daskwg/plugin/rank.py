@@ -12,6 +12,7 @@ import inspect
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -157,9 +158,10 @@ class HostedRank:
             self.rank_loop.close(wait)
             self.rank_loop = None
 
-    def call(self, call: Call, args: tuple, kwargs: dict) -> Any:
+    def call(self, call: Call, args: tuple, kwargs: dict, cancelled: Callable[[], bool] | None = None) -> Any:
         """``instance.<call.method>(*args, **kwargs)``, an ``async def`` method awaited on the
-        rank's own event loop (started on first use).
+        rank's own event loop (started on first use). ``cancelled``: whether the call was
+        cancelled as it started (an ``async def`` method's coroutine then never runs).
 
         Raises:
             AttributeError: the instance has no such method.
@@ -174,7 +176,7 @@ class HostedRank:
         result = method(*args, **kwargs)
         if inspect.isawaitable(result):
             rank_loop = self._loop(call)
-            result = rank_loop.run(result, call.concurrency_group)
+            result = rank_loop.run(result, call.concurrency_group, cancelled)
         return result
 
     def _loop(self, call: Call) -> RankLoop:

@@ -4,10 +4,12 @@ own, that keeps running between calls; and the ``signal.signal`` shim for rank c
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["RankLoop", "task_stack", "rank_thread", "install_signal_shim"]
@@ -61,14 +63,34 @@ class RankLoop:
         cancellation), else ``None``."""
         return self._tasks.get(concurrency_group)
 
-    def run(self, awaitable: Any, concurrency_group: str | None = None) -> Any:
+    def run(
+        self,
+        awaitable: Any,
+        concurrency_group: str | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Any:
         """Run ``awaitable`` on the loop as ``concurrency_group``'s call; block the calling
-        thread (that group's host thread) until it finishes."""
-        return asyncio.run_coroutine_threadsafe(self._call(awaitable, concurrency_group), self.loop).result()
+        thread (that group's host thread) until it finishes.
 
-    async def _call(self, awaitable: Any, concurrency_group: str | None) -> Any:
+        ``cancelled``: whether the call was cancelled before its task existed (read once
+        the task is registered, so a cancel that found no task to cancel is not lost).
+
+        Raises:
+            asyncio.CancelledError: the call was cancelled (before it began or at an ``await``).
+        """
+        return asyncio.run_coroutine_threadsafe(
+            self._call(awaitable, concurrency_group, cancelled), self.loop
+        ).result()
+
+    async def _call(
+        self, awaitable: Any, concurrency_group: str | None, cancelled: Callable[[], bool] | None
+    ) -> Any:
         self._tasks[concurrency_group] = asyncio.current_task()
         try:
+            if cancelled is not None and cancelled():
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()  # never awaited: no "was never awaited" warning
+                raise asyncio.CancelledError
             return await awaitable
         finally:
             self._tasks.pop(concurrency_group, None)
