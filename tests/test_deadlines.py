@@ -1081,6 +1081,30 @@ def _count_releases(dask_scheduler, start: bool) -> list:
     return counting.released
 
 
+def _rows_of(value) -> str:
+    return f"{type(value).__name__} of {len(value)} rows"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pure", [True, False])
+def test_a_dask_task_named_on_a_fresh_result_gets_its_value_on_its_own_worker_and_others(hclient, pure):
+    # At once: the scheduler has not heard of these results (they register when waited for
+    # through Dask, or after half a second); a task naming one must not find it lost, and a
+    # task on the worker holding it gets the value, not daskwg's snapshot of it.
+    with WorkerGroup(hclient, LeakWorker, world_size=2) as wg:
+        parts = wg.produce(1).futures
+        if not pure:  # Dask does not tokenize the arguments: wait for them as the docs say
+            from distributed import wait
+
+            wait(parts)
+        seen = [
+            hclient.submit(_rows_of, part, workers=[worker], pure=pure).result(timeout=60)
+            for part in parts
+            for worker in wg.workers
+        ]
+        assert seen == ["DataProto of 262144 rows"] * 4
+
+
 @pytest.mark.timeout(120)
 def test_results_dropped_before_the_scheduler_knew_them_cost_it_nothing_and_leave_their_workers(hclient):
     # Dask tells the scheduler of every future released, known to it or not: for results

@@ -79,11 +79,11 @@ class ResultStore:
         self.on_free: list[Callable[[list[str]], None]] = []
 
     def for_dask(self, value: Any) -> Any:
-        """What Dask's data holds for a result: the ``Packed`` snapshot itself (Dask sends its
-        frames, and a receiving process gets the value back), except on a worker whose comms
-        do not serialise (``inproc://``, ``LocalCluster(processes=False)``), where Dask would
-        hand the ``Packed`` to ``client.gather`` and to tasks as it is: there, its value."""
-        if isinstance(value, serialization.Packed) and self.worker.address.startswith("inproc://"):
+        """What Dask's data holds for a result: its value, read from the ``Packed`` snapshot
+        (zero-copy over its buffers). Dask hands what its data holds as it is to the tasks of
+        the same worker (and, where comms do not serialise, ``inproc://``, to ``client.gather``
+        too): the ``Packed`` itself would reach user code."""
+        if isinstance(value, serialization.Packed):
             return serialization.loads(value)
         return value
 

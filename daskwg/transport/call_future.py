@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from distributed import Future
+from distributed import wait as dask_wait
 from distributed.client import FutureCancelledError, FutureState
 
 from ..errors import CallCancelledError
@@ -102,6 +103,36 @@ class CallFuture(Future):
         if not self._cleared and self.client.generation == self._generation:
             self._cleared = True
             state.owned.drop(self.key)
+
+    def __dask_tokenize__(self) -> tuple:
+        """Dask's token of the future, once the scheduler knows its key.
+
+        A Dask graph that names this future (``client.submit(f, future)``, ``client.map``,
+        ``dask.delayed``) tokenizes its arguments on the calling thread before the graph goes
+        to the scheduler, which cancels a task whose dependency it does not know ("lost
+        dependencies"). A result the scheduler has not been told of yet (see
+        ``daskwg.transport.owned``) is registered first, so this waits for the call to
+        finish, as ``distributed.wait`` would. Not where Dask does not tokenize
+        (``client.submit(..., pure=False)``) nor on the client's own event loop (an
+        asynchronous client): there, ``distributed.wait(future)`` before naming it in a graph.
+        """
+        self._known_to_scheduler()
+        return super().__dask_tokenize__()
+
+    def __reduce__(self) -> tuple:
+        """Dask's ``Future.__reduce__`` (a graph pickled with the future in it), once the
+        scheduler knows the key, as :meth:`__dask_tokenize__` says."""
+        self._known_to_scheduler()
+        return super().__reduce__()
+
+    def _known_to_scheduler(self) -> None:
+        state = self._state
+        if (
+            isinstance(state, OwnedState)
+            and not state.owned.on_loop()
+            and state.owned.unknown_to_scheduler(self.key)
+        ):
+            dask_wait([self])
 
     def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> None:
         """Dask's ``Future.cancel``, returning once the rank's worker has taken the call off

@@ -278,6 +278,17 @@ class Owned:
             self._registering = True
             asyncio.ensure_future(self._register())
 
+    def unknown_to_scheduler(self, key: str) -> bool:
+        """Whether ``key`` is a result of this driver the scheduler has not been told of
+        (running, or finished and not registered yet)."""
+        with self.cond:
+            rec = self.records.get(key)
+            return rec is not None and not rec.registered
+
+    def on_loop(self) -> bool:
+        """Whether this runs on the client's event loop (where nothing may block)."""
+        return self._on_loop()
+
     def _on_loop(self) -> bool:
         """Whether this runs on the client's event loop (where tornado's ``add_callback``
         would still write to the loop's self-pipe and wait for the next turn)."""
