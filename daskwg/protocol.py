@@ -1415,9 +1415,9 @@ def pad_rows(value: DataProto | TensorDictBase, size_divisor: int) -> tuple[Any,
     [`pad_dataproto_to_divisor`][daskwg.pad_dataproto_to_divisor] for a DataProto, the same rule for a
     TensorDict.
 
-    The one place where group calls pad (``DP_COMPUTE_PROTO`` dispatch);
-    [`unpad_rows`][daskwg.protocol.unpad_rows] takes the padding off again, on the blocking and the future
-    path alike.
+    What group calls pad with (``DP_COMPUTE_PROTO`` dispatch, through ``daskwg.futures.padding``,
+    which holds the rule); [`unpad_rows`][daskwg.protocol.unpad_rows] takes the padding off again, on
+    the blocking and the future path alike.
 
     Returns:
         ``(padded, pad_size)``; ``value`` itself when no padding is needed.

@@ -321,7 +321,8 @@ def test_batches_whose_lengths_the_driver_knows_are_refused_in_every_mode_and_po
 def test_a_future_whose_length_is_not_known_is_checked_by_the_ranks_beside_other_batches(mode):
     split_args, _ = _MODES[mode](_group(), _future(3, None), _rows(4))
     pieces = split_args[-2]  # the future's pieces (WITH_FUNC's first argument is the function)
-    label, known = pieces[0].rows[-1][4]
+    check = pieces[0].rows[-1].check
+    label, known = check.label, check.known
     assert label == f"positional argument {len(split_args) - 2} (a DataProtoFuture)"
     assert known == ((f"positional argument {len(split_args) - 1}", 4),)
 

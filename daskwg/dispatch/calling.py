@@ -3,24 +3,43 @@
 (the mode's dispatch function splits the arguments per rank) and ``collect`` (its collect
 function merges the per-rank results, the dispatch's padding taken off). Mirrors verl's
 ``WorkerGroup._bind_worker_method`` around ``execute_*``.
+
+The padding count leaves the dispatch function's ``kwargs`` here (verl's contract for what a
+dispatch function returns) and travels from ``cut`` to ``collect`` as :class:`Cut`'s
+``padding``; ``daskwg.futures.padding`` holds the rule for both ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import DispatchError
+from ..futures import padding
 from ..futures.future import DataProtoFuture
-from ..protocol import unpad_rows
-from .modes import PADDING_SIZE_KEY, RankOutputs, check_per_rank
+from .modes import RankOutputs, check_per_rank
 from .register import Execute, RegisteredMethod
 
-__all__ = ["collect", "cut"]
+__all__ = ["Cut", "collect", "cut"]
 
 
-def cut(group: Any, method: str, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> tuple[list, int]:
+class Cut(NamedTuple):
+    """A call cut for its ranks (:func:`cut`).
+
+    Attributes:
+        payloads: per rank asked for, its ``(args, kwargs)``.
+        padding: rows of padding the dispatch added, which :func:`collect` takes off.
+    """
+
+    payloads: list[tuple[tuple, dict]]
+    padding: int
+
+
+def cut(group: Any, method: str, fns: dict, args: tuple, kwargs: dict, ranks: list[int]) -> Cut:
     """Per rank in ``ranks`` its ``(args, kwargs)``, and the rows of padding the dispatch added.
+
+    Returns:
+        a :class:`Cut` (a ``(payloads, padding)`` tuple).
 
     Raises:
         DispatchError: the dispatch function refused the arguments (naming the call), or did
@@ -32,10 +51,9 @@ def cut(group: Any, method: str, fns: dict, args: tuple, kwargs: dict, ranks: li
         raise
     except (TypeError, ValueError, IndexError) as exc:
         raise DispatchError(f"{group._name}.{method}: {exc}") from exc
-    d_kwargs = dict(d_kwargs)
-    pad = d_kwargs.pop(PADDING_SIZE_KEY, 0) or 0
+    d_kwargs, pad = padding.take(d_kwargs)
     check_per_rank(f"the dispatch function of {group._name}.{method}", group.world_size, d_args, d_kwargs)
-    return [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks], pad
+    return Cut([(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in ranks], pad)
 
 
 def collect(
@@ -57,4 +75,4 @@ def collect(
         result = list(result)
     if isinstance(result, DataProtoFuture):
         result = dataclasses.replace(result, gather=group._gather_any)
-    return unpad_rows(result, pad)
+    return padding.unpad(result, pad)

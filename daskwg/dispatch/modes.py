@@ -7,8 +7,9 @@ A call on a group runs three steps, mirroring verl's ``verl.single_controller.ba
    turns the call's arguments into per-rank arguments: every returned positional and
    keyword value is a list with one entry per rank (length ``worker_group.world_size``).
    The ``DP_COMPUTE_PROTO`` family also returns the padding count under
-   :data:`PADDING_SIZE_KEY` in ``kwargs`` (an ``int``, not a per-rank list): the group pops
-   it before sending and strips that many rows from the collected output.
+   :data:`PADDING_SIZE_KEY` in ``kwargs`` (an ``int``, not a per-rank list), as verl's does:
+   the group takes it out before sending and strips that many rows from the collected
+   output (``daskwg.futures.padding``).
 2. **execute**: the group runs the method on every rank (``Execute.ALL``) or on rank 0
    only (``Execute.RANK_ZERO``).
 3. **collect** (driver): ``collect_fn(worker_group, outputs) -> Any`` merges the per-rank
@@ -19,8 +20,8 @@ Dispatch and collect functions may rely only on ``worker_group.world_size``,
 ``worker_group._query_dispatch_info(mesh_name) -> list[int]`` /
 ``_query_collect_info(mesh_name) -> list[bool]``.
 
-Padding lives in ``daskwg.protocol`` (:func:`~daskwg.protocol.pad_rows`,
-:func:`~daskwg.protocol.unpad_rows`); the group takes it off the collected output.
+Padding has one rule, in ``daskwg.futures.padding`` (how many rows, how the count travels,
+where the rows come off); the functions here call it.
 
 The batch-splitting and concatenating functions take verl's ``DataProto`` too: they work on
 daskwg's sharing its tensors (``daskwg.foreign``) and hand back verl's class.
@@ -39,9 +40,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from .. import foreign
 from ..errors import ConcatError, DispatchError
+from ..futures import padding
 from ..futures.future import DataProtoFuture
+from ..futures.padding import PADDING_SIZE_KEY
 from ..futures.pieces import check_lengths
-from ..protocol import DataProto, concat_tensordicts, pad_rows
+from ..futures.plan import LengthCheck
+from ..protocol import DataProto, concat_tensordicts
 from ..wire import codec
 
 __all__ = [
@@ -63,10 +67,6 @@ __all__ = [
     "make_nd_compute_dataproto_dispatch_fn",
     "split_or_broadcast",
 ]
-
-
-PADDING_SIZE_KEY = "_daskwg_padding_size"
-"""Key under which ``DP_COMPUTE_PROTO`` dispatch returns the number of padding rows it added."""
 
 
 def _labelled(args: tuple[Any, ...], kwargs: Mapping[str, Any], start: int = 0) -> Iterator[tuple[str, Any]]:
@@ -190,12 +190,12 @@ class _Lengths:
         """The rows every batch argument must have, where one is known."""
         return self.known[0][1] if self.known else None
 
-    def check(self, label: str) -> tuple | None:
+    def check(self, label: str) -> LengthCheck | None:
         """The ``check`` for the pieces of the future argument ``label`` (``None``: the driver
         knows every length, or it is the call's only batch argument)."""
         if self.count < 2 or not self.unknown:
             return None
-        return (f"{label} (a DataProtoFuture)", self.known)
+        return LengthCheck(f"{label} (a DataProtoFuture)", self.known)
 
 
 def _even_parts(value: DataProtoFuture, chunks: int) -> bool:
@@ -480,7 +480,7 @@ def dispatch_dp_compute_data_proto(
     DataProto or TensorDict arguments beside them, padded by as many rows, which the driver
     takes off; alone (their length is not known in the driver), each rank takes its padding
     rows off its own output. A future whose parts are already one per rank is handed over
-    part by part. ``kwargs[PADDING_SIZE_KEY] = pad``.
+    part by part. ``kwargs[PADDING_SIZE_KEY] = pad`` (:func:`daskwg.futures.padding.announce`).
 
     Unlike verl, padding is always on: verl pads only when ``DataProtoConfig.auto_padding``
     (or the DataProto's own flag) is set and otherwise requires ``L % world_size == 0``. The
@@ -499,11 +499,11 @@ def dispatch_dp_compute_data_proto(
     if lengths.length == 0:
         raise DispatchError(f"{mode} got batches with 0 rows; there is nothing to split over {n} ranks")
     length = lengths.batch
-    pad_size = (-length) % n if length else 0
+    pad_size = padding.rows_to_add(length, n)
 
     def pad_and_split(label: str, value: Any) -> list[Any]:
         if _num_rows(value) is not None:
-            value, _ = pad_rows(value, n)
+            value = padding.pad(value, n)
         elif isinstance(value, DataProtoFuture):
             alone = lengths.count == 1 or _even_parts(value, n)
             return value.padded_chunk(
@@ -519,8 +519,7 @@ def dispatch_dp_compute_data_proto(
     split_kwargs: dict[str, Any] = {
         key: pad_and_split(f"argument {key!r}", value) for key, value in kwargs.items()
     }
-    split_kwargs[PADDING_SIZE_KEY] = pad_size
-    return as_given(split_args, split_kwargs)
+    return as_given(split_args, padding.announce(split_kwargs, pad_size))
 
 
 def dispatch_dp_compute_metric(
@@ -536,8 +535,7 @@ def dispatch_dp_compute_metric(
         DispatchError: as :func:`dispatch_dp_compute_data_proto`.
     """
     split_args, split_kwargs = dispatch_dp_compute_data_proto(worker_group, *args, **kwargs)
-    del split_kwargs[PADDING_SIZE_KEY]
-    return split_args, split_kwargs
+    return split_args, padding.take(split_kwargs)[0]
 
 
 def dispatch_dp_compute_data_proto_with_func(

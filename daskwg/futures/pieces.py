@@ -1,35 +1,28 @@
 """How a batch is cut into one piece per rank: as ``DataProto.chunk`` cuts it
 (:func:`chunk_bounds`), or padded first as ``DP_COMPUTE_PROTO`` pads a batch in the
-driver (:func:`piece_rows` of a padded piece), so that a ``DataProtoFuture`` of 2 rows
-feeds 3 ranks exactly as the same 2 rows in the driver do.
+driver (``daskwg.futures.padding``), so that a ``DataProtoFuture`` of 2 rows feeds 3 ranks
+exactly as the same 2 rows in the driver do.
 
-A piece is ``(index, chunks)`` (unpadded) or ``(index, chunks, mode[, length[, check]])``.
-``mode`` ``None`` is unpadded too; :data:`PAD` or :data:`STRIP` pads to a multiple of
-``chunks`` rows, rows repeated from the start, as :func:`daskwg.protocol.pad_rows` does: with
-:data:`PAD` the driver takes the padding off the collected output (it padded its own batches
-by as many rows); with :data:`STRIP` each consuming rank takes its own padding rows off its
-output (:func:`trailing_padding`), since the driver never learns the length. ``length``: the
-rows the batch must have (those of the driver's batches cut beside it in the same call), or
-``None``. ``check``: ``(label, known)`` when the call has several batch arguments and the
-driver did not know the length of this one: ``label`` names the argument (``"positional
-argument 1"``) and ``known`` is ``((label, rows), ...)`` of the arguments whose lengths it
-knew; the consuming rank compares the lengths of all such arguments before it fetches a row
-(:func:`check_lengths`).
+A piece is a :class:`daskwg.futures.plan.Piece`. Its ``length``, where set, is the rows the
+batch must have (those of the driver's batches cut beside it in the same call); its
+``check``, where set, makes the consuming rank compare the lengths of all the call's batch
+arguments before it fetches a row (:func:`check_lengths`).
 
 A future cut again (a micro-batch of a piece, ``fut.chunk(4)[i]`` handed to a group of 2)
-holds its pieces in order, each cutting the rows the one before left.
+holds its pieces in order, each cutting the rows the one before left (:func:`rows_after`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from ..errors import DispatchError
+from . import padding
+from .plan import Piece
 
-__all__ = ["PAD", "STRIP", "chunk_bounds", "check_lengths", "piece_rows", "rows_after", "trailing_padding"]
-
-PAD = "pad"
-STRIP = "strip"
+__all__ = ["chunk_bounds", "check_lengths", "piece_rows", "rows_after", "trailing_padding"]
 
 
 def chunk_bounds(rows: int, index: int, chunks: int) -> tuple[int, int]:
@@ -50,38 +43,28 @@ def chunk_bounds(rows: int, index: int, chunks: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def _size(rows: int, chunks: int) -> int:
-    """Rows of every padded piece: ``rows`` padded to a multiple of ``chunks``, cut evenly."""
-    return -(-rows // chunks)
-
-
-def piece_rows(rows: int, piece: tuple) -> np.ndarray:
+def piece_rows(rows: int, piece: Piece) -> np.ndarray:
     """The row numbers of ``piece`` of a batch of ``rows`` rows, padding rows included
     (a padded piece's last numbers wrap around to the first rows).
 
     Raises:
-        ValueError: an unpadded piece of fewer rows than pieces, a padded one of a batch
-            with no rows, or of a batch whose rows are not the ``length`` it was cut for.
+        DispatchError: the batch's rows are not the ``length`` the piece was cut for.
+        ValueError: an unpadded piece of fewer rows than pieces, or a padded one of a batch
+            with no rows.
     """
-    index, chunks = piece[0], piece[1]
-    if len(piece) > 3 and piece[3] is not None and piece[3] != rows:
-        label = (
-            f"{piece[4][0]} (a DataProtoFuture)" if len(piece) > 4 and piece[4] else "this DataProtoFuture"
-        )
+    if piece.length is not None and piece.length != rows:
+        label = f"{piece.check.label}" if piece.check is not None else "this DataProtoFuture"
         raise DispatchError(
             f"{label} has {rows} rows, but the DataProto/TensorDict arguments beside it in the same "
-            f"call have {piece[3]}: every batch argument of one call must have the same length (as for "
+            f"call have {piece.length}: every batch argument of one call must have the same length (as for "
             "batches in the driver); select or pad them to one length first"
         )
-    if not _padded(piece):
-        return np.arange(*chunk_bounds(rows, index, chunks))
-    if rows == 0:
-        raise ValueError(f"the batch has 0 rows; there is nothing to split over {chunks} ranks")
-    size = _size(rows, chunks)
-    return np.arange(index * size, (index + 1) * size) % rows
+    if piece.padding is None:
+        return np.arange(*chunk_bounds(rows, piece.index, piece.chunks))
+    return padding.padded_rows(rows, piece.index, piece.chunks)
 
 
-def rows_after(rows: int, pieces: tuple) -> int:
+def rows_after(rows: int, pieces: Iterable[Piece]) -> int:
     """Rows left of a batch of ``rows`` rows once ``pieces`` cut it, one after the other
     (a padded piece's padding rows included).
 
@@ -112,13 +95,8 @@ def check_lengths(arguments: list[tuple[str, int]]) -> None:
         )
 
 
-def _padded(piece: tuple) -> bool:
-    return len(piece) > 2 and piece[2] is not None
-
-
-def trailing_padding(rows: int, piece: tuple) -> int:
+def trailing_padding(rows: int, piece: Piece) -> int:
     """How many padding rows end ``piece`` of a batch of ``rows`` rows (0 unpadded)."""
-    if not _padded(piece) or rows == 0:
+    if piece.padding is None:
         return 0
-    size = _size(rows, piece[1])
-    return min(size, max(0, (piece[0] + 1) * size - rows))
+    return padding.trailing(rows, piece.index, piece.chunks)

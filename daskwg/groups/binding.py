@@ -6,7 +6,7 @@ A call of a bound method runs verl's three steps: **dispatch** (the mode's
 ``dispatch_fn`` splits the arguments per rank, ``daskwg.dispatch.modes``), **execute** (the group
 sends one call per rank, ``daskwg.transport``) and **collect** (the mode's ``collect_fn``
 merges the per-rank results; padding added by the dispatch is taken off,
-:func:`daskwg.protocol.unpad_rows`). Mirrors verl's ``WorkerGroup._bind_worker_method``
+:func:`daskwg.futures.padding.unpad`). Mirrors verl's ``WorkerGroup._bind_worker_method``
 and ``RayWorkerGroup``'s ``execute_*``.
 """
 

@@ -171,7 +171,7 @@ def gather(
 
     Args:
         requests: ``(part, start, stop, wanted columns)`` in order, as
-            :func:`daskwg.futures.future.evaluate` fetches them; ``wanted columns``: ``None`` (all)
+            :func:`daskwg.futures.interpreter.evaluate` fetches them; ``wanted columns``: ``None`` (all)
             or ``(batch keys or None, non-tensor keys or None)``.
         columns: the parts' common :func:`columns_of`.
         write: ``[(part, start, stop, target), ...] -> answers`` of ``daskwg_write_rows``,

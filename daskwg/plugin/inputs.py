@@ -31,7 +31,7 @@ from distributed.comm.core import CommClosedError
 from distributed.utils import sync
 
 from ..errors import DispatchError, RankError, WorkerGroupError, WorkerLostError
-from ..futures.future import argument_rows, padding_of
+from ..futures.interpreter import argument_rows, length_check, padding_of
 from ..futures.pieces import check_lengths
 from ..serialization import pickling as serialization
 from ..wire import messages as wire
@@ -171,8 +171,8 @@ class Inputs:
     def resolve(self, call: Call, args: tuple, kwargs: dict, lazy_values: list) -> tuple[tuple, dict, int]:
         """``(args, kwargs, padding)`` with every placeholder replaced by the value it stands
         for. ``padding``: the rows of padding that end this rank's piece of a future cut by
-        ``DP_COMPUTE_PROTO`` (:data:`daskwg.futures.pieces.STRIP`), which
-        :func:`daskwg.plugin.rank.strip_padding` takes off the rank's output.
+        ``DP_COMPUTE_PROTO`` (:data:`daskwg.futures.padding.STRIP`), which
+        :func:`daskwg.futures.padding.strip` takes off the rank's output.
 
         Raises:
             RankError: the producing call's own error when it failed; else one naming the
@@ -204,7 +204,7 @@ class Inputs:
     def _check_lengths(self, args: tuple, kwargs: dict, lazy_values: list) -> None:
         """Refuse batch arguments of different lengths before a row is fetched: the
         ``DataProtoFuture`` arguments whose rows the driver did not know carry a ``check``
-        (``daskwg.futures.pieces``); their rows come from their parts' ``PartInfo``.
+        (``daskwg.futures.plan.LengthCheck``); their rows come from their parts' ``PartInfo``.
 
         Raises:
             DispatchError: naming every batch argument and its rows.
@@ -212,16 +212,16 @@ class Inputs:
         checked = []
         for value in (*args, *kwargs.values()):
             if isinstance(value, LazyArg) and value.kind == wire.ROWS:
-                pieces = value.spec[2] or ()
-                if pieces and len(pieces[-1]) > 4 and pieces[-1][4]:
-                    checked.append((value, pieces[-1][4]))
+                check = length_check(value.spec)
+                if check is not None:
+                    checked.append((value, check))
         if not checked:
             return
-        arguments = list(checked[0][1][1])
-        for lazy, (label, _) in checked:
+        arguments = list(checked[0][1].known)
+        for lazy, check in checked:
             values = lazy_values[lazy.index]
             infos = [self._info(values, i) for i in range(len(values))]
-            arguments.append((label, argument_rows(lazy.spec, [info.rows for info in infos])))
+            arguments.append((check.label, argument_rows(lazy.spec, [info.rows for info in infos])))
         check_lengths(arguments)
 
     def _info(self, values: list, i: int) -> PartInfo:

@@ -4,6 +4,9 @@ snapshotting the result) and :class:`ProcessEnv`, which gives every group sharin
 process its own environment. Arguments are built by ``daskwg.plugin.inputs``.
 
 Everything here runs on the host thread (``daskwg-host_0``), one call at a time.
+
+``strip_padding`` is :func:`daskwg.futures.padding.strip` (the padding rule's own), named
+here for the host, which takes a ``STRIP`` piece's padding rows off the rank's output.
 """
 
 from __future__ import annotations
@@ -16,11 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tensordict import TensorDictBase
-
-from .. import collective, foreign
-from ..futures.future import rows_of
-from ..protocol import DataProto, unpad_rows
+from .. import collective
+from ..futures.padding import strip as strip_padding
 from ..serialization import pickling as serialization
 from ..serialization import snapshots
 from ..wire.messages import Call
@@ -191,16 +191,6 @@ class HostedRank:
 
 #: Guards the start of a rank's event loop (:meth:`HostedRank._loop`).
 _LOOP_LOCK = threading.Lock()
-
-
-def strip_padding(result: Any, padding: int) -> Any:
-    """``result`` without its last ``padding`` rows, as the driver unpads a collected
-    output (a DataProto or TensorDict with that many rows; anything else as it is)."""
-    if padding and isinstance(result, (DataProto, TensorDictBase)) and rows_of(result) >= padding:
-        return unpad_rows(result, padding)
-    if padding and foreign.is_verl_dataproto(result) and len(result) >= padding:
-        return unpad_rows(result, padding)  # verl's own DataProto, returned by verl worker code
-    return result
 
 
 def snapshot(result: Any, call: Call, arguments: tuple) -> serialization.Packed:

@@ -5,7 +5,8 @@ A consuming rank needs only its own rows of a batch that other ranks produced
 (verl's NeoProto and RFC #5400: each rank materialises only the rows it owns). It
 learns where every part is and how many rows it has from one small :class:`PartInfo`
 per part (a Dask task pinned next to the part, :func:`part_info`), works out which
-rows of which parts its piece needs (:func:`daskwg.futures.future.evaluate`), and asks the
+rows of which parts its piece needs (:func:`daskwg.futures.interpreter.evaluate`, the
+interpreter the driver runs too), and asks the
 workers holding them for exactly those rows and columns through the
 ``daskwg_rows`` comm handler (:func:`install`), which slices the stored value
 without copying and sends the slice's own bytes. Parts on the rank's own worker are
@@ -27,7 +28,8 @@ from distributed.utils import sync
 
 from .. import foreign
 from ..errors import GroupBrokenError
-from ..futures.future import concat_parts, evaluate, rows_of, select_columns
+from ..futures.interpreter import concat_parts, evaluate, rows_of, select_columns
+from ..futures.plan import Plan
 from ..protocol import DataProto
 from ..serialization import pickling as serialization
 from ..wire.messages import PartInfo
@@ -117,12 +119,12 @@ def install(worker: Any, lookup: Any) -> None:
 
 
 def evaluate_on_worker(
-    plan: tuple, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any = None, write: Any = None
+    plan: Plan, infos: list[PartInfo], worker: Any, lookup: Any, mapped: Any = None, write: Any = None
 ) -> Any:
     """The value of a ``DataProtoFuture``'s plan for this rank, fetching only its rows.
 
     Args:
-        plan: the future's plan (``DataProtoFuture.plan()[0]``).
+        plan: the future's row plan (``DataProtoFuture.plan()[0]``).
         infos: the :class:`~daskwg.wire.messages.PartInfo` of every part, by part number.
         worker: the consuming Dask worker.
         lookup: ``key -> stored value`` of parts on this worker.

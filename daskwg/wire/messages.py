@@ -50,7 +50,7 @@ __all__ = [
 #: below, the handlers' arguments and answers). Raise it with any change a worker of the
 #: previous release could misread; the ``__init__`` call of every group carries the
 #: driver's, and a worker with another refuses to build the rank.
-WIRE_FORMAT = 5
+WIRE_FORMAT = 6
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
