@@ -206,3 +206,54 @@ def test_keep_spares_refuses_a_negative_count(client):
             wg.keep_spares(-1)
     finally:
         wg.shutdown()
+
+
+# ---- following the pool -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_group_that_follows_its_pool_grows_with_the_cluster_and_shrinks_when_a_worker_leaves():
+    with process_cluster(2) as cluster, Client(cluster) as client:
+        wait_for_workers(client, 2)
+        wg = _group(client, 2)
+        try:
+            wg.set_state("kept")
+            pids = wg.pid()
+            wg.follow_pool(max_world_size=3, timeout=60)
+            assert wg.all_reduce() == [3.0, 3.0]  # nothing free: the size it has
+            cluster.scale(4)
+            wait_for_workers(client, 4)
+            # The next call starts on every free worker up to the bound, kept ranks untouched.
+            assert wg.all_reduce() == [6.0, 6.0, 6.0]
+            assert wg.pid()[:2] == pids and wg.get_state() == ["kept", "kept", None]
+            assert [r.kind for r in wg.membership_reports] == ["resize"]
+            grown = wg.pid()
+            # A scale-down retires workers; with none free, the group shrinks by the lost ones.
+            free = [a for a in client.scheduler_info(n_workers=-1)["workers"] if a not in wg.workers]
+            blocker = WorkerGroup(client, HealWorker, workers=free)  # holds the one free worker
+            victim = wg.workers[1]
+            client.retire_workers([victim], close_workers=True)
+            end = time.monotonic() + 60
+            while victim in client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < end:
+                time.sleep(0.1)
+            assert wg.all_reduce() == [3.0, 3.0]
+            assert wg.world_size == 2 and victim not in wg.workers
+            # Rank 2's worker took rank 1's place (rank 1 rebuilt there); rank 0 kept all.
+            assert wg.pid() == [grown[0], grown[2]]
+            assert wg.get_state() == ["kept", None]
+            assert [r.kind for r in wg.membership_reports] == ["resize", "resize"]
+            blocker.shutdown()
+            wg.follow_pool(False)
+        finally:
+            wg.shutdown()
+
+
+def test_follow_pool_refuses_bounds_that_are_not_positive_or_out_of_order(client):
+    wg = WorkerGroup(client, HealWorker, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="max_world_size=1 below min_world_size=2"):
+            wg.follow_pool(min_world_size=2, max_world_size=1)
+        with pytest.raises(ValueError, match="min_world_size as an int >= 1"):
+            wg.follow_pool(min_world_size=0)
+    finally:
+        wg.shutdown()

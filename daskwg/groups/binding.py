@@ -115,6 +115,7 @@ class BoundGroup:
         if step is not None:  # inside daskwg.plan(): recorded, run when the step is replayed
             return step.record(self, method_name, registered, args, kwargs)
         fns = self._dispatch_fns(registered)
+        self._at_call_boundary()
         self._check_usable(method_name)
         ranks = [0] if registered.execute_mode == Execute.RANK_ZERO else list(range(self.world_size))
         payloads, pad_size = cut(self, method_name, fns, args, kwargs, ranks)
@@ -137,6 +138,7 @@ class BoundGroup:
         )
 
     def _execute_all(self, method_name: str, args: tuple, kwargs: dict, *, blocking: bool) -> list:
+        self._at_call_boundary()
         n = self.world_size
         d_args, d_kwargs = split_or_broadcast(self, *args, **kwargs)
         payloads = [(tuple(a[r] for a in d_args), {k: v[r] for k, v in d_kwargs.items()}) for r in range(n)]
@@ -168,6 +170,10 @@ class BoundGroup:
 
     def _describe_class(self) -> str:
         return self._cls.__name__
+
+    def _at_call_boundary(self) -> None:
+        """Before a call is cut into per-rank payloads: where the group may change its
+        membership (a group that follows its pool); nothing by default."""
 
     def _check_usable(self, method_name: str) -> None:
         raise NotImplementedError

@@ -29,7 +29,7 @@ from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs
 from .binding import RESERVED, BoundGroup
 from .colocate import role_classes_of
-from .heal import MembershipReport, heal_group, keep_spares, resize_group
+from .heal import MembershipReport, follow_pool, follow_step, heal_group, keep_spares, resize_group
 from .install import check_versions, install_plugins, version_of
 from .pool import ResourcePool, WorkerSlot, check_one_rank_per_process, in_this_process, pick_free
 from .restart import check_restartable, restart_workers
@@ -442,6 +442,60 @@ class WorkerGroup(BoundGroup):
             WorkerGroupError: the group was attached, not built here.
         """
         return keep_spares(self, k)
+
+    def follow_pool(
+        self,
+        follow: bool = True,
+        *,
+        min_world_size: int = 1,
+        max_world_size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Let the group follow its pool (elastic groups, e.g. rollout): at call boundaries
+        it grows onto workers that joined the cluster and shrinks when workers hosting its
+        ranks leave it (``cluster.scale()``, an adaptive deployment, a lost node).
+
+        At the start of a registered method's call (or an ``execute_*`` call), at most once
+        a second (at once when the group is broken), the group looks at the cluster:
+
+        * ranks whose workers were lost are replaced on free workers, as
+          [`heal`][daskwg.WorkerGroup.heal] does; where there are too few, the group shrinks
+          by as many ranks (a lost rank's number is taken by the highest surviving rank,
+          rebuilt on its worker with the group's arguments; a rank is its number, so the
+          ranks above cannot be renumbered), down to ``min_world_size`` (below it, it
+          waits for workers up to ``timeout``, as ``heal()`` does);
+        * free workers (hosting no rank of any group; its pool's and resources' rules as
+          for ``heal()``) are taken, as [`resize`][daskwg.WorkerGroup.resize] grows, up to
+          ``max_world_size``.
+
+        Every change runs ``on_membership_change`` on every rank, as ``heal()`` and
+        ``resize()`` do, and the call then runs at the new size: a call's batch is split
+        over the ranks the group has when the call starts. Plans recorded at another size
+        run call by call. The reports are in ``wg.membership_reports``.
+
+        Args:
+            follow: ``False`` stops following (the group keeps its size).
+            min_world_size: fewest ranks to shrink to (``int`` >= 1).
+            max_world_size: most ranks to grow to (``int`` >= 1; ``None``: no bound).
+            timeout: seconds a heal or grow waits for workers, ``None``: 120.
+
+        Raises:
+            ValueError: a bound is not an int >= 1, or ``max_world_size < min_world_size``.
+            GroupBrokenError: the group was shut down.
+            WorkerGroupError: the group was attached, not built here.
+        """
+        follow_pool(self, follow, min_world_size, max_world_size, timeout)
+
+    @property
+    def membership_reports(self) -> list[MembershipReport]:
+        """What following the pool changed, oldest first (see
+        [`follow_pool`][daskwg.WorkerGroup.follow_pool])."""
+        following = getattr(self, "_following", None)
+        return list(following.reports) if following is not None else []
+
+    def _at_call_boundary(self) -> None:
+        if getattr(self, "_following", None) is not None:
+            follow_step(self)
 
     @property
     def spares(self) -> list[str]:

@@ -55,7 +55,16 @@ from .install import check_versions
 from .pool import ResourcePool, WorkerSlot
 from .restart import restart_workers
 
-__all__ = ["MembershipReport", "heal_group", "resize_group", "keep_spares", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "MembershipReport",
+    "heal_group",
+    "resize_group",
+    "keep_spares",
+    "follow_pool",
+    "follow_step",
+    "DEFAULT_TIMEOUT",
+    "FOLLOW_INTERVAL",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +73,10 @@ DEFAULT_TIMEOUT = 120.0
 
 #: Seconds between looks for free workers while waiting for them.
 _POLL = 0.2
+
+#: Seconds between two looks at the cluster by a group that follows its pool (at call
+#: boundaries: a group called less often looks at its next call).
+FOLLOW_INTERVAL = 1.0
 
 #: The groups of this driver that keep spares (their spares are not free to the others).
 _WITH_SPARES: weakref.WeakSet = weakref.WeakSet()
@@ -232,6 +245,99 @@ def _spares_of_others(wg: Any) -> set:
     return {s.server_id for g in list(_WITH_SPARES) if g is not wg for s in getattr(g, "_spares", [])}
 
 
+@dataclass
+class _Following:
+    """What ``wg.follow_pool()`` set: the bounds, and when the group looks next."""
+
+    min_world_size: int
+    max_world_size: int | None
+    timeout: float | None
+    next_look: float = 0.0
+    reports: list = field(default_factory=list)
+
+
+def follow_pool(
+    wg: Any, follow: bool, min_world_size: int, max_world_size: int | None, timeout: float | None
+) -> None:
+    """``wg.follow_pool(...)``: see [`WorkerGroup.follow_pool`][daskwg.WorkerGroup.follow_pool]."""
+    if not follow:
+        wg._following = None
+        return
+    for name, value in (("min_world_size", min_world_size), ("max_world_size", max_world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"follow_pool() takes {name} as an int >= 1, got {value!r}")
+    if max_world_size is not None and max_world_size < min_world_size:
+        raise ValueError(
+            f"follow_pool() got max_world_size={max_world_size} below min_world_size={min_world_size}"
+        )
+    _check_changeable(wg, "follow_pool")
+    wg._following = _Following(min_world_size, max_world_size, timeout)
+
+
+def follow_step(wg: Any) -> MembershipReport | None:
+    """At a call boundary of a group that follows its pool: replace or drop the ranks whose
+    workers were lost, and grow onto free workers, at most every :data:`FOLLOW_INTERVAL`
+    seconds (at once when the group is broken). Returns the report of what changed, if
+    anything did."""
+    following = getattr(wg, "_following", None)
+    if following is None or wg._closed:
+        return None
+    transport = wg._transport
+    transport.settle()
+    lost = transport.driver.health.lost
+    # A worker that left between calls (retired by a scale-down, lost) breaks no call yet.
+    losing = transport.broken is not None or any(s.server_id in lost for s in wg._slots)
+    now = time.monotonic()
+    if not losing and now < following.next_look:
+        return None
+    following.next_look = now + FOLLOW_INTERVAL
+    report = None
+    if losing:
+        report = _follow_losses(wg, following)
+    if following.max_world_size is None or wg.world_size < following.max_world_size:
+        free = _free_now(wg, wg._slots)
+        room = len(free) if following.max_world_size is None else following.max_world_size - wg.world_size
+        if free and room > 0:
+            report = resize_group(wg, wg.world_size + min(len(free), room), following.timeout)
+    if report is not None:
+        following.reports.append(report)
+    return report
+
+
+def _follow_losses(wg: Any, following: _Following) -> MembershipReport:
+    """A broken group that follows its pool: heal where there are free workers enough for
+    the lost ranks, else shrink by as many ranks as were lost (the lost places are taken by
+    the highest surviving ranks' workers, those ranks rebuilt there: a rank is its number,
+    so survivors above a lost rank cannot be renumbered), down to ``min_world_size``."""
+    slots, driver = list(wg._slots), wg._transport.driver
+    lost = [r for r, s in enumerate(slots) if s.server_id in driver.health.lost]
+    if not lost or len(_free_now(wg, [s for r, s in enumerate(slots) if r not in lost])) >= len(lost):
+        return heal_group(wg, following.timeout)
+    new_world = max(len(slots) - len(lost), following.min_world_size)
+    if new_world > len(slots) - len(lost):  # below the floor: wait for workers instead
+        return heal_group(wg, following.timeout)
+    t0 = time.monotonic()
+    wg._transport.settle()
+    # Workers of the highest surviving ranks take the lost places below new_world.
+    donors = [r for r in range(len(slots) - 1, new_world - 1, -1) if r not in lost]
+    holes = [r for r in lost if r < new_world]
+    new_slots = slots[:new_world]
+    moved = {}
+    for hole, donor in zip(holes, donors):
+        new_slots[hole] = slots[donor]
+        moved[hole] = (slots[hole].address, slots[donor].address)
+    removed = tuple(r for r in range(new_world, len(slots)))
+    alive_removed = tuple(r for r in removed if r not in lost)
+    report = _change(
+        wg, "resize", new_slots, sorted(holes), moved, removed, t0, old_slots=slots, destroy=alive_removed
+    )
+    logger.warning(
+        "group %s follows its pool: lost rank(s) %s and no free worker: %s", wg._name, lost, report
+    )
+    _replenish(wg)
+    return report
+
+
 # ---- the steps -----------------------------------------------------------------------------
 
 
@@ -244,14 +350,17 @@ def _change(
     removed: tuple,
     t0: float,
     old_slots: list[WorkerSlot] | None = None,
+    destroy: tuple | None = None,
 ) -> MembershipReport:
     """Make ``new_slots`` the group's ranks: rejoin the kept ones, build ``new_ranks``,
-    destroy ``removed`` (ranks of ``old_slots``), run the hook everywhere."""
+    destroy ``removed`` (ranks of ``old_slots``; ``destroy``: those of them still alive,
+    when not all are), run the hook everywhere."""
     client, old_world = wg._client, wg.world_size
     old_transport = wg._transport
     check_versions(client, [new_slots[r] for r in new_ranks])
-    if removed:
-        _destroy(wg, old_transport, list(removed))
+    doomed = removed if destroy is None else destroy
+    if doomed:
+        _destroy(wg, old_transport, list(doomed))
     old_transport.close()
     wg._slots = list(new_slots)
     wg._transport = GroupTransport(
