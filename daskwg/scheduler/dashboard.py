@@ -141,7 +141,8 @@ class DashboardPlugin(SchedulerPlugin):
         for name, record in self.groups().items():
             workers = list(record.get("workers") or ())
             groups[record.get("group_id", name)] = {
-                "name": name,
+                # Non-detached groups' keys also hold their client (daskwg.wire.records).
+                "name": record.get("name") or name,
                 "group_id": record.get("group_id"),
                 "owner": record.get("owner"),
                 "detached": bool(record.get("detached")),
