@@ -216,13 +216,14 @@ def test_two_drivers_each_reach_their_own_group_on_the_same_workers(cluster4):
             assert two.get_log() == [[2], [2]]
 
 
-def test_a_group_name_in_use_by_another_connected_driver_is_rejected(cluster4):
+def test_a_group_name_in_use_by_another_connected_driver_is_that_drivers_own(cluster4):
+    # Names of non-detached groups are scoped to their client (issue 44), as Dask's keys are;
+    # tests/test_two_jobs.py holds the rest of the rule.
     with Client(cluster4) as first, Client(cluster4) as second:
-        with WorkerGroup(first, AddWorker, world_size=1, name="shared-name"):
-            with pytest.raises(ValueError, match="'shared-name' already exists"):
-                WorkerGroup(second, AddWorker, world_size=1, name="shared-name")
-        with WorkerGroup(second, AddWorker, world_size=1, name="shared-name") as again:
-            assert again.foo(x=1, y=2) == [5]
+        with WorkerGroup(first, ClassWithInitArgs(AddWorker, x=10), world_size=1, name="shared-name") as one:
+            with WorkerGroup(second, AddWorker, world_size=1, name="shared-name") as two:
+                assert one.foo(x=1, y=2) == [13]
+                assert two.foo(x=1, y=2) == [5]
 
 
 def test_a_second_driver_has_no_handle_on_a_non_detached_group(cluster4):

@@ -49,7 +49,11 @@ class WorkerGroup(BoundGroup):
         world_size: number of ranks (``None``: every worker of the cluster or pool).
         workers: a [`ResourcePool`][daskwg.ResourcePool] or worker addresses/names to use.
         resources: Dask worker resources each chosen worker must offer.
-        name: the group's name (dashboard keys, attach); default ``<Class>-<id>``.
+        name: the group's name (dashboard keys, attach); default ``<Class>-<id>``. A
+            non-detached group's name is scoped to its client, as Dask scopes a client's
+            futures: two drivers (two clients) on one cluster can each build a group
+            named ``"actor"``. A detached group's name holds on the whole cluster: any
+            client attaches to it by that name.
         worker_env: extra environment variables (``str -> str``) for every rank.
         master_port: the ``MASTER_PORT`` to use (else one is reserved on rank 0's host).
         detached: keep the group alive after this client closes; reattach with
@@ -57,8 +61,10 @@ class WorkerGroup(BoundGroup):
 
     Raises:
         TypeError: arguments of the wrong type.
-        ValueError: ``worker_env`` sets a rank variable; a duplicate group name; two ranks would run
-            in one process (in-process workers: they would share one ``os.environ``).
+        ValueError: ``worker_env`` sets a rank variable; the name is taken (a live group of this
+            client, a detached group, or, for a detached group, a group of any connected
+            client); two ranks would run in one process (in-process workers: they would
+            share one ``os.environ``).
         WorldSizeError: more ranks than matching workers.
         OSError: ``master_port`` is in use on rank 0's host.
         RankError: the class's ``__init__`` raised on a rank (nothing is left on the
@@ -129,14 +135,14 @@ class WorkerGroup(BoundGroup):
         self._worker_env = env
         self._requested_port = master_port
         self._role_classes = role_classes_of(cls_with_init)
-        records.check_name_free(client, self._name, self._owner)
+        records.check_name_free(client, self._name, self._owner, detached)
         self._build_ranks()
         self._publish()
         if not detached:
             # Like a Ray actor that dies with its last handle: a group the program drops
             # without shutdown() gives its ranks (and their memory) back.
             self._finalizer = weakref.finalize(
-                self, _release_dropped_group, self._transports, records.key_of(self._name)
+                self, _release_dropped_group, self._transports, self._record_key
             )
             self._finalizer.atexit = False
 
@@ -158,6 +164,8 @@ class WorkerGroup(BoundGroup):
         self._slots = list(slots)
         self._owner = owner
         self._detached = detached
+        # Where its record lives on the scheduler: a non-detached name is scoped to its owner.
+        self._record_key = records.key_of(name, None if detached else owner)
         self._closed = False
         self._finalizer: weakref.finalize | None = None
         self._cls_with_init: ClassWithInitArgs | None = None
@@ -248,7 +256,8 @@ class WorkerGroup(BoundGroup):
 
     @property
     def name(self) -> str:
-        """The group's name (used in task keys and by [`attach`][daskwg.WorkerGroup.attach])."""
+        """The group's name (used in task keys and by [`attach`][daskwg.WorkerGroup.attach]):
+        unique among this client's groups and the cluster's detached groups."""
         return self._name
 
     @property
@@ -522,7 +531,7 @@ class WorkerGroup(BoundGroup):
             # the scheduler gone, closed themselves).
             return
         self._destroy_ranks()
-        records.forget(self._client, self._name)
+        records.forget(self._client, self._record_key)
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -536,7 +545,8 @@ class WorkerGroup(BoundGroup):
 
     @classmethod
     def attach(cls, client: Client, name: str) -> WorkerGroup:
-        """Reattach to a detached group by name, from any client of the cluster.
+        """Reattach to a detached group by name, from any client of the cluster (a detached
+        group's name holds on the whole cluster; a non-detached one's only in its client).
 
         Returns:
             a ``WorkerGroup`` on the same ranks (same workers, same objects, same state).
@@ -594,6 +604,7 @@ class WorkerGroup(BoundGroup):
                 cls=cloudpickle.dumps(self._cls),
                 master_addr=self._master_addr,
                 master_port=self._master_port,
+                name=self._name,
             ),
         )
 

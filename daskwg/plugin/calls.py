@@ -60,6 +60,10 @@ class CallTable:
         # client.cancel) reaches it; and the running ones that were cancelled.
         self._unfinished: dict[tuple[str, int], tuple[Call, ConcurrentFuture]] = {}
         self._cancelled: set[tuple[str, int]] = set()
+        # Running calls whose driver left meanwhile (its client disconnected): they run to
+        # their end all the same (a sync method cannot be interrupted), and the calls of
+        # other drivers behind them say whose call they wait for.
+        self._departed: set[tuple[str, int]] = set()
 
     def queue(self, call: Call) -> None:
         """``call`` waits for its turn from now."""
@@ -87,6 +91,7 @@ class CallTable:
         """The host thread of ``call``'s concurrency group finished it."""
         with self._lock:
             self._running.pop(call.concurrency_group, None)
+            self._departed.discard((call.session, call.seq))
 
     @property
     def running(self) -> RunningCall | None:
@@ -104,10 +109,18 @@ class CallTable:
             return list(self._queued.values())
 
     def forget_session(self, client: str) -> None:
-        """Drop the queued calls of a driver's client that left (all its sessions)."""
+        """Drop the queued calls of a driver's client that left (all its sessions), and
+        mark its running ones as calls of a departed driver (:meth:`departed`)."""
         with self._lock:
             for key in [k for k, q in self._queued.items() if of_client(q.call.session, client)]:
                 del self._queued[key]
+            for r in self._running.values():
+                if of_client(r.call.session, client):
+                    self._departed.add((r.call.session, r.call.seq))
+
+    def departed(self, call: Call) -> bool:
+        """Whether ``call`` runs on after its driver left (:meth:`forget_session`)."""
+        return (call.session, call.seq) in self._departed
 
     def unfinished(self, session: str, seq: int) -> tuple[Call, ConcurrentFuture] | None:
         """``(call, result future)`` of call ``seq`` of ``session`` while it is not done."""
@@ -191,7 +204,8 @@ def status_records(
     ``hosted`` (``(group id, rank) -> HostedRank``; ``"idle"`` or ``"running"``, the running
     call with its stack), one more per call of a named concurrency group running beside it
     (after the rank's first record), one ``"running"`` for a rank whose ``__init__`` runs (it
-    is not hosted yet), and one per call queued for a rank; ``last_errors`` by the same keys."""
+    is not hosted yet, or whose driver left and released it while the call runs on), and one
+    per call queued for a rank; ``last_errors`` by the same keys."""
     running = calls.running_calls()
     queued = calls.queued()
     frames = sys._current_frames()
@@ -206,7 +220,14 @@ def status_records(
             stack = "".join(traceback.format_stack(frame)) if frame is not None else None
             records.append(
                 status_record(
-                    r.call.group_name, r.call.group_id, r.call.rank, "running", r.call, now - r.since, stack
+                    r.call.group_name,
+                    r.call.group_id,
+                    r.call.rank,
+                    "running",
+                    r.call,
+                    now - r.since,
+                    stack,
+                    departed=calls.departed(r.call),
                 )
             )
     for (group_id, rank), h in hosted.items():
@@ -234,6 +255,7 @@ def status_records(
                     stack,
                     last_error,
                     calls.was_cancelled(call),
+                    calls.departed(call),
                 )
             )
     for q in queued:

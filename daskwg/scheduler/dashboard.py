@@ -93,8 +93,9 @@ class DashboardPlugin(SchedulerPlugin):
         _started[:] = [ref for ref in _started if ref() not in (None, self)]
 
     def groups(self) -> dict[str, dict]:
-        """The groups' records in the scheduler's metadata, by name (shut-down ones
-        are ``None`` there and left out)."""
+        """The groups' records in the scheduler's metadata, by metadata key (the name, with
+        the owner's client id for a non-detached group: ``daskwg.wire.records.key_of``;
+        shut-down ones are ``None`` there and left out)."""
         records = self.scheduler.get_metadata([ROOT], default=None) or {}
         return {name: r for name, r in records.items() if isinstance(r, dict)}
 
@@ -141,7 +142,8 @@ class DashboardPlugin(SchedulerPlugin):
         for name, record in self.groups().items():
             workers = list(record.get("workers") or ())
             groups[record.get("group_id", name)] = {
-                "name": name,
+                # Non-detached groups' keys also hold their client (daskwg.wire.records).
+                "name": record.get("name") or name,
                 "group_id": record.get("group_id"),
                 "owner": record.get("owner"),
                 "detached": bool(record.get("detached")),

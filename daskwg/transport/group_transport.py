@@ -214,7 +214,7 @@ class GroupTransport:
             # A lost worker fails at once (no connection attempt, no task that never
             # runs), and nothing is queued behind a rank stuck in a broken group's call.
             self.check(method_name, ranks, limit)
-            driver.sequencer.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}")
+            driver.sequencer.warn_if_abandoned(slots, f"{self.ranks.name}.{method_name}", concurrency_group)
         if check and not blocking:
             self.waiter.wait_for_queue_room(slots, method_name, limit, settings)
         session, seqs = driver.sequencer.numbered([s.server_id for s in slots], concurrency_group)
@@ -316,7 +316,7 @@ class GroupTransport:
                 r.get("group_id") == ranks.group_id and r.get("rank") == rank for r in answer
             ):
                 answer = forensics.LOST  # the worker restarted: a new process without the rank
-            records.append(forensics.rank_record(rank, slot.address, ranks.group_id, answer))
+            records.append(forensics.rank_record(rank, slot.address, ranks.group_id, answer, ranks.client.id))
         return records
 
     def release_dropped(self, metadata_key: list | None = None) -> None:

@@ -40,9 +40,11 @@ from typing import Any
 
 from distributed import Client
 
+from ..config import Settings
 from ..errors import GroupBrokenError
 from ..wire.messages import concurrency_group_of, group_session, session_id
 from .failure.calls import AbandonedCall, StuckCall
+from .failure.forensics import describe_running, query_status, running_on
 from .failure.health import WorkerHealth
 
 __all__ = ["Sequencer", "SKIP_RETRY_S"]
@@ -210,23 +212,55 @@ class Sequencer:
         silently: a broken group's straggler, or a call the driver abandoned."""
         return self._live(self._stuck, slot.server_id) or self._live(self._abandoned, slot.server_id)
 
-    def warn_if_abandoned(self, slots: Sequence[Any], what: str) -> None:
+    def warn_if_abandoned(
+        self, slots: Sequence[Any], what: str, concurrency_group: str | None = None
+    ) -> None:
         """Log, once per call, that ``what`` queues behind a call the driver abandoned.
 
         Calls run one at a time on a worker, so the new call waits until the abandoned
-        one ends (its deadline, if any, still applies): it must not wait silently.
+        one ends (its deadline, if any, still applies): it must not wait silently. The
+        worker is asked which call holds it: when that is another driver's (two jobs on
+        one cluster share the worker's order), the warning names that call, its group and
+        its driver, and whether that driver left.
         """
         now = time.monotonic()
         for slot in slots:
             entry = self._live(self._abandoned, slot.server_id)
-            if entry is not None:
-                logger.warning(
-                    "%s waits on %s: the worker is %s; wg.status() shows where it is, wg.restart() replaces "
-                    "the process",
-                    what,
-                    slot.address,
-                    entry.describe(now),
+            if entry is None:
+                continue
+            busy = f"the worker is {entry.describe(now)}"
+            holder = self._running_call(slot, concurrency_group)
+            if holder is not None and holder.get("client") not in (None, self.client.id):
+                by = (
+                    "a deadline"
+                    if entry.why == "deadline"
+                    else "Ctrl-C"
+                    if entry.why == "interrupted"
+                    else entry.why
                 )
+                busy = (
+                    f"the worker runs {describe_running(holder, self.client.id)}; this driver's call of "
+                    f"{entry.method!r} of group {entry.group_name!r}, abandoned by {by} {now - entry.since:.1f} s "
+                    "ago, waits behind it"
+                )
+            logger.warning(
+                "%s waits on %s: %s; wg.status() shows where it is, wg.restart() replaces the process",
+                what,
+                slot.address,
+                busy,
+            )
+
+    def _running_call(self, slot: Any, concurrency_group: str | None) -> dict | None:
+        """The status record of the call of ``concurrency_group`` ``slot``'s worker runs now,
+        whichever driver sent it; ``None`` if none, or if the worker cannot say."""
+        try:
+            answers = self.client.sync(
+                query_status, self.client.rpc, [slot.address], Settings.current().status_timeout
+            )
+        except Exception:  # noqa: BLE001 - only a warning's detail: the plain one is logged then
+            return None
+        answer = answers.get(slot.address)
+        return None if isinstance(answer, str) or answer is None else running_on(answer, concurrency_group)
 
     def check_not_stuck(self, slots: Sequence[Any], what: str) -> None:
         """Refuse to queue work behind a rank stuck in a call of a broken group.

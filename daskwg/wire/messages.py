@@ -36,6 +36,7 @@ __all__ = [
     "status_record",
     "session_id",
     "of_client",
+    "client_of",
     "DEFAULT_CONCURRENCY_GROUP",
     "group_session",
     "concurrency_group_of",
@@ -214,6 +215,12 @@ def session_id(client_id: str, epoch: int) -> str:
     return client_id if epoch == 0 else f"{client_id}#{epoch}"
 
 
+def client_of(session: str) -> str:
+    """The client id of the driver whose calls carry ``session`` (:func:`session_id`, or a
+    concurrency group's: :func:`group_session`)."""
+    return session.partition(_GROUP_SEPARATOR)[0].partition("#")[0]
+
+
 def of_client(session: str, client_id: str) -> bool:
     """Whether ``session`` is one of client ``client_id``'s (:func:`session_id`, or a
     concurrency group's of one: :func:`group_session`)."""
@@ -373,15 +380,18 @@ def status_record(
     stack: str | None = None,
     last_error: str | None = None,
     cancelled: bool = False,
+    departed: bool = False,
 ) -> dict:
     """One record of a worker's ``daskwg_status`` answer (what ``daskwg.transport.failure.forensics`` reads).
 
     Returns:
         ``{"group", "group_id", "rank", "state", "method", "seconds", "stack",
-        "last_error", "session", "seq", "cancelled", "concurrency_group"}``: ``state`` is
-        ``"idle"``, ``"running"`` or ``"queued"``; ``method``, ``session``, ``seq`` and
-        ``concurrency_group`` are the running or queued call's (``None`` when idle, and
-        ``concurrency_group`` for the default group); ``seconds`` since it started or was queued.
+        "last_error", "session", "seq", "cancelled", "concurrency_group", "client",
+        "departed"}``: ``state`` is ``"idle"``, ``"running"`` or ``"queued"``; ``method``,
+        ``session``, ``seq``, ``concurrency_group`` and ``client`` (the id of the client of
+        the driver that sent it) are the running or queued call's (``None`` when idle, and
+        ``concurrency_group`` for the default group); ``seconds`` since it started or was
+        queued; ``departed``: the call's driver left while it ran (its client disconnected).
     """
     return {
         "group": group_name,
@@ -396,6 +406,8 @@ def status_record(
         "seq": None if call is None else call.seq,
         "cancelled": cancelled,
         "concurrency_group": None if call is None else call.concurrency_group,
+        "client": None if call is None else client_of(call.session),
+        "departed": departed,
     }
 
 

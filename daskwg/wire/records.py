@@ -1,6 +1,15 @@
 """The groups' records on the scheduler (Dask's metadata under ``"daskwg-groups"``): what
 ``WorkerGroup.attach`` reads to reattach a detached group by name, what the name check
-of a new group reads, and what the dashboard page lists."""
+of a new group reads, and what the dashboard page lists.
+
+Names are scoped as Dask scopes a client's futures: a non-detached group's name belongs to
+the client that built it (its record lives under ``"<name>/<client id>"``), so two driver
+scripts on one cluster can each build a group named ``"actor"``; a detached group's name
+holds on the whole cluster (its record lives under ``"<name>"``), since any client may
+attach to it. A group name never holds a ``/`` (checked when the group is built), so the
+two kinds of key cannot meet. A departed client's non-detached records are dropped by the
+scheduler (:func:`drop_client`, from ``daskwg.scheduler.release``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +18,18 @@ from typing import Any
 
 from distributed import Client
 
-__all__ = ["GroupRecord", "ROOT", "key_of", "publish", "lookup", "forget", "check_name_free"]
+__all__ = [
+    "GroupRecord",
+    "ROOT",
+    "key_of",
+    "publish",
+    "lookup",
+    "forget",
+    "check_name_free",
+    "drop_client",
+]
 
-#: The metadata key under which every group's record lives (``[ROOT, name]``).
+#: The metadata key under which every group's record lives (``[ROOT, key]``, see :func:`key_of`).
 ROOT = "daskwg-groups"
 
 
@@ -28,6 +46,8 @@ class GroupRecord:
         cls: the rank class, cloudpickled (bytes).
         master_addr: ``MASTER_ADDR`` of its ranks.
         master_port: ``MASTER_PORT`` of its ranks.
+        name: the group's name (its metadata key also holds the owner when it is not
+            detached; ``""`` in records of earlier versions, whose key is the name).
     """
 
     group_id: str
@@ -38,52 +58,94 @@ class GroupRecord:
     cls: bytes
     master_addr: str
     master_port: int
+    name: str = ""
 
 
-def key_of(name: str) -> list[str]:
-    """The metadata key of group ``name``."""
-    return [ROOT, name]
+def key_of(name: str, owner: str | None = None) -> list[str]:
+    """The metadata key of group ``name``: cluster-wide (a detached group) when ``owner``
+    is ``None``, else scoped to client ``owner`` (a non-detached group)."""
+    return [ROOT, name if owner is None else f"{name}/{owner}"]
 
 
-def publish(client: Client, name: str, record: GroupRecord) -> None:
-    """Store ``record`` as group ``name``'s (replacing an earlier one)."""
-    client.set_metadata(key_of(name), asdict(record))
+def _key(record: GroupRecord, name: str) -> list[str]:
+    return key_of(name, None if record.detached else record.owner)
+
+
+def publish(client: Client, name: str, record: GroupRecord) -> list[str]:
+    """Store ``record`` as group ``name``'s (replacing an earlier one); returns its key."""
+    key = _key(record, name)
+    client.set_metadata(key, {**asdict(record), "name": name})
+    return key
 
 
 def lookup(client: Client, name: str) -> GroupRecord | None:
-    """Group ``name``'s record, or ``None``."""
-    stored = client.get_metadata(key_of(name), default=None)
-    return GroupRecord(**stored) if stored else None
+    """The record of the group ``name`` that ``client`` sees: its own non-detached group
+    of that name, else the detached one; ``None`` if neither exists."""
+    for key in (key_of(name, client.id), key_of(name)):
+        stored = client.get_metadata(key, default=None)
+        if stored:
+            return GroupRecord(**stored)
+    return None
 
 
-def forget(client: Client, name: str) -> None:
-    """Forget group ``name``'s record (best effort: the scheduler may be gone)."""
+def forget(client: Client, key: list[str]) -> None:
+    """Forget the record under ``key`` (:func:`key_of`; best effort: the scheduler may be gone)."""
     try:
-        client.set_metadata(key_of(name), None)
+        client.set_metadata(key, None)
     except Exception:  # noqa: BLE001 - the scheduler may be gone already
         pass
 
 
-def check_name_free(client: Client, name: str, owner: str) -> None:
-    """Refuse a new group named like one that lives on: a detached one, one of this
-    driver, or one whose driver is still connected (a record left by a driver that
-    exited without ``shutdown()`` is stale).
+def check_name_free(client: Client, name: str, owner: str, detached: bool) -> None:
+    """Refuse a new group named like one that lives on where the new one's name would
+    hold: a detached group of that name (its name holds on the whole cluster), a group of
+    that name built by client ``owner``, and, for a new detached group, a group of that
+    name of any client still connected. A record left by a driver that exited without
+    ``shutdown()`` is stale and does not count.
 
     Raises:
-        ValueError: the name is taken.
+        ValueError: the name is taken, saying by what.
     """
-    record = lookup(client, name)
-    if record is None:
+    holder = client.run_on_scheduler(_holder_of, name=name, owner=owner, detached=detached)
+    if holder is None:
         return
-    taken = record.detached or record.owner == owner
-    if not taken:
-        taken = record.owner in client.run_on_scheduler(_connected_clients)
-    if taken:
-        raise ValueError(
-            f"a worker group named {name!r} already exists on this cluster; "
-            "pick another name, shut it down, or WorkerGroup.attach() to it"
-        )
+    if detached:
+        advice = "pick another name, or shut that group down first"
+    else:
+        advice = "pick another name, shut it down, or WorkerGroup.attach() to it if it is detached"
+    raise ValueError(f"a worker group named {name!r} already exists ({holder}); {advice}")
 
 
-def _connected_clients(dask_scheduler: Any) -> list[str]:
-    return list(dask_scheduler.clients)
+def _holder_of(dask_scheduler: Any, name: str, owner: str, detached: bool) -> str | None:
+    """What holds ``name`` where a new group of client ``owner`` would (see
+    :func:`check_name_free`), or ``None`` (runs on the scheduler, in one go)."""
+    groups = dask_scheduler.get_metadata([ROOT], default=None) or {}
+    for key, record in list(groups.items()):
+        if not isinstance(record, dict) or (record.get("name") or key) != name:
+            continue
+        if record.get("detached"):
+            return "a detached group: its name holds on the whole cluster"
+        if record.get("owner") == owner:
+            return "built by this client"
+        if detached and record.get("owner") in dask_scheduler.clients:
+            return (
+                f"built by client {record.get('owner')}, still connected: a detached group's name holds on the "
+                "whole cluster"
+            )
+    return None
+
+
+def drop_client(groups: Any, client: str) -> list[str]:
+    """Drop from ``groups`` (the scheduler's metadata under :data:`ROOT`) the records of
+    the non-detached groups of ``client``, a client that left (its ranks are released);
+    returns their keys."""
+    if not isinstance(groups, dict):
+        return []
+    keys = [
+        key
+        for key, record in groups.items()
+        if isinstance(record, dict) and record.get("owner") == client and not record.get("detached")
+    ]
+    for key in keys:
+        del groups[key]
+    return keys

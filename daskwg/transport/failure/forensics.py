@@ -15,7 +15,17 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["query_status", "rank_record", "call_states", "innermost_frame", "verdict"]
+from ...wire.messages import client_of
+
+__all__ = [
+    "query_status",
+    "rank_record",
+    "call_states",
+    "innermost_frame",
+    "verdict",
+    "running_on",
+    "describe_running",
+]
 
 UNRESPONSIVE = "unresponsive"
 LOST = "lost"
@@ -57,8 +67,10 @@ def innermost_frame(stack: str | None) -> str:
     return f"{func} ({tail}:{line})"
 
 
-def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
-    """One ``wg.status()`` entry for ``rank`` from its worker's ``answer``.
+def rank_record(rank: int, address: str, group_id: str, answer: Any, me: str | None = None) -> dict:
+    """One ``wg.status()`` entry for ``rank`` from its worker's ``answer`` (``me``: the
+    asking driver's client id, so that a call it waits behind is named as its own or
+    another driver's).
 
     Returns:
         ``{"rank", "address", "state", "method", "seconds", "stack", "last_error",
@@ -69,7 +81,9 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
         running call's future was cancelled (a sync method cannot be interrupted and runs
         on); ``concurrency_group`` is the running call's (``None``: the default group, which
         comes first); ``concurrent`` lists the calls of other concurrency groups running
-        beside it, each ``{"method", "concurrency_group", "seconds", "stack"}``.
+        beside it, each ``{"method", "concurrency_group", "seconds", "stack"}``; a
+        ``"queued"`` rank also has ``behind``, the call that holds the worker (its method,
+        group, driver, and whether that driver left).
     """
     record = {
         "rank": rank,
@@ -101,15 +115,16 @@ def rank_record(rank: int, address: str, group_id: str, answer: Any) -> dict:
         ]
     if record["state"] in ("idle", "lost") and queued:
         record.update(state="queued", method=queued[0]["method"], seconds=queued[0]["seconds"])
-        blocker = _running_on(answer, queued[0].get("concurrency_group"))
+        blocker = running_on(answer, queued[0].get("concurrency_group"))
         if blocker is not None:
-            record["behind"] = _describe_running(blocker)
+            record["behind"] = describe_running(blocker, me)
     return record
 
 
-def _running_on(answer: Sequence[dict], concurrency_group: str | None = None) -> dict | None:
-    """The call of ``concurrency_group`` running on the worker (calls of one group queue
-    behind it, never behind another group's)."""
+def running_on(answer: Sequence[dict], concurrency_group: str | None = None) -> dict | None:
+    """The call of ``concurrency_group`` running on the worker, whichever driver sent it
+    (calls of one group queue behind it, never behind another group's), from the worker's
+    ``daskwg_status`` ``answer``; ``None`` if none runs."""
     return next(
         (
             r
@@ -120,9 +135,25 @@ def _running_on(answer: Sequence[dict], concurrency_group: str | None = None) ->
     )
 
 
-def _describe_running(record: dict) -> str:
+def describe_running(record: dict, me: str | None = None) -> str:
+    """The running call of a status ``record`` as a report names it: its method, group,
+    the driver that sent it (``me``: the reporting driver's client id; ``None``: name the
+    client) and for how long, e.g. ``"'nap' of group 'actor' of another driver
+    client Client-1d88... (running 3.6 s)"``; a call whose driver left says so, and that it runs
+    to its end (a sync method cannot be interrupted)."""
     seconds = record.get("seconds") or 0.0
-    return f"{record.get('method')!r} of group {record.get('group')!r} (running {seconds:.1f} s)"
+    call = f"{record.get('method')!r} of group {record.get('group')!r}"
+    client = record.get("client")
+    if record.get("departed"):
+        return (
+            f"{call} of a driver that left, client {client} (running {seconds:.1f} s): its ranks were released, "
+            "but a running sync method cannot be interrupted, so the worker runs it to its end and the calls "
+            "behind it start then (restart that worker to end it now)"
+        )
+    if client is None:
+        return f"{call} (running {seconds:.1f} s)"
+    who = "this driver" if client == me else f"another driver, client {client}"
+    return f"{call} of {who} (running {seconds:.1f} s)"
 
 
 def call_states(
@@ -166,9 +197,9 @@ def call_states(
                     notes[rank] = f"in {where}"
             continue
         ranks[rank] = "queued"
-        blocker = _running_on(answer, getattr(call, "concurrency_group", None))
+        blocker = running_on(answer, getattr(call, "concurrency_group", None))
         if blocker is not None:
-            notes[rank] = f"behind {_describe_running(blocker)}"
+            notes[rank] = f"behind {describe_running(blocker, client_of(call.session))}"
         elif mine is None:
             notes[rank] = "not yet on its worker (waiting for its inputs, or a paused worker)"
     return ranks, stacks, notes
