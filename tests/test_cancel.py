@@ -168,7 +168,9 @@ def test_a_cancel_right_after_the_call_is_never_lost_whatever_the_call_was_doing
         with daskwg.deadline(30):
             assert _answers(wg)
         for events in wg.take_events():
-            assert events in (["double ran"], ["generate started", "generate cancelled", "double ran"]), events
+            assert events in (["double ran"], ["generate started", "generate cancelled", "double ran"]), (
+                events
+            )
 
 
 def test_distributed_wait_on_a_cancelled_call_raises_dasks_futures_cancelled_error(client, wg):
