@@ -6,6 +6,8 @@ import asyncio
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..wire.messages import Handler
+
 __all__ = ["ReleaseOnClientExit"]
 
 
@@ -23,5 +25,5 @@ class ReleaseOnClientExit(SchedulerPlugin):
         if client.startswith("fire-and-forget") or not scheduler.workers:
             return
         asyncio.ensure_future(
-            scheduler.broadcast(msg={"op": "daskwg_release", "client": client}, on_error="ignore")
+            scheduler.broadcast(msg={"op": Handler.RELEASE, "client": client}, on_error="ignore")
         )

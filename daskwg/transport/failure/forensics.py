@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ...wire.messages import Handler
+
 __all__ = ["query_status", "rank_record", "call_states", "innermost_frame", "verdict"]
 
 UNRESPONSIVE = "unresponsive"
@@ -36,7 +38,7 @@ async def query_status(rpc: Callable[[str], Any], addresses: Iterable[str], time
 
     async def one(address: str) -> Any:
         try:
-            return await asyncio.wait_for(rpc(address).daskwg_status(), timeout)
+            return await asyncio.wait_for(getattr(rpc(address), Handler.STATUS)(), timeout)
         except (asyncio.TimeoutError, TimeoutError):
             return UNRESPONSIVE
         except Exception:  # noqa: BLE001 - refused or closed: the process is gone
