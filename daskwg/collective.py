@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .wire.messages import Handler
+
 __all__ = [
     "CollectiveGroup",
     "CollectiveSpec",
@@ -248,7 +250,7 @@ def _by_group(flat: list[tuple[Any, int]]) -> list[tuple[Any, list[int]]]:
 
 
 async def _reserve_port(client: Any, address: str) -> int:
-    return await client.rpc(address).daskwg_reserve_port(port=None)
+    return await getattr(client.rpc(address), Handler.RESERVE_PORT)(port=None)
 
 
 # ---- the ranks' side ----------------------------------------------------------------

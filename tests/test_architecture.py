@@ -221,3 +221,49 @@ def test_no_module_passes_the_backstop():
         if module != "daskwg.protocol" and lines > BACKSTOP_LINES:
             big.append(f"{module}: {lines} lines")
     assert big == []
+
+
+#: Calls whose first argument is a ``daskwg_*`` name of another namespace than the comm
+#: handlers': a context variable's (debug) name, the scheduler's Prometheus metric families.
+OTHER_NAMESPACES = {"ContextVar", "GaugeMetricFamily", "CounterMetricFamily", "HistogramMetricFamily"}
+
+
+def _hand_typed_handler_names(path: str) -> list[str]:
+    """Every ``"daskwg_..."`` string and every ``.daskwg_...`` attribute (Dask's
+    ``rpc(address).<handler>(...)``) in ``path``, but the names of :data:`OTHER_NAMESPACES`."""
+    tree = ast.parse(open(path).read())
+    other = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in OTHER_NAMESPACES:
+                other.add(id(node.args[0]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith("daskwg_") and id(node) not in other:
+                found.append(f"line {node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("daskwg_"):
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_handler_name_is_typed_by_hand_outside_the_wire():
+    """Comm handler names are ``daskwg.wire.messages.Handler``'s constants on both ends."""
+    typed = [
+        f"{module} {hit}"
+        for module, path in sorted(_modules().items())
+        if not _in(module, "daskwg.wire")
+        for hit in _hand_typed_handler_names(path)
+    ]
+    assert typed == []
+
+
+def test_the_handler_names_are_defined_once_each():
+    from daskwg.wire.messages import HANDLERS, Handler
+
+    names = {k: v for k, v in vars(Handler).items() if k.isupper()}
+    assert len(set(HANDLERS)) == len(HANDLERS) == len(names)
+    assert set(HANDLERS) == set(names.values())
+    assert all(name.startswith("daskwg_") for name in HANDLERS)

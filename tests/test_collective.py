@@ -200,7 +200,7 @@ def test_a_large_state_dict_is_relayed_sent_once_and_arrives_into_the_last_syncs
 
 
 def _open_files(dask_worker) -> int:
-    return dask_worker.plugins["daskwg"]._inputs.shared.nbytes
+    return dask_worker.plugins["daskwg"].inputs.shared.nbytes
 
 
 def test_a_large_state_dict_on_one_host_is_mapped_copy_on_write_from_one_shared_copy(groups):
@@ -231,7 +231,7 @@ def test_a_large_state_dict_on_one_host_is_mapped_copy_on_write_from_one_shared_
 
 def _files_of(size: int, dask_worker=None) -> int:
     """Shared-memory files (in use or pooled) of about ``size`` bytes on this worker."""
-    shared = dask_worker.plugins["daskwg"]._inputs.shared
+    shared = dask_worker.plugins["daskwg"].inputs.shared
     files = [s.file for s in shared._segments.values()] + shared._pool
     return sum(size <= f.capacity <= size + size // 4 for f in files)
 

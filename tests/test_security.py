@@ -3,9 +3,9 @@ cluster, and drivers that exit or die without ``shutdown()``."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -20,10 +20,10 @@ from distributed.security import Security
 from workers import AddWorker, CollectiveWorker
 
 from daskwg import ClassWithInitArgs, RankError, WorkerGroup
-from daskwg.serialization.parts import pack
+from daskwg.serialization import pickling as serialization
 from daskwg.transport import Driver as _Driver
 from daskwg.wire import local_link
-from daskwg.wire.messages import Call
+from daskwg.wire.messages import Call, CallMessage, Reply
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -236,7 +236,8 @@ def test_a_second_driver_has_no_handle_on_a_non_detached_group(cluster4):
 
 def _send_as(client: Client, wg: WorkerGroup, method: str) -> dict:
     """Send one raw call of ``method`` into rank 0 of ``wg`` as ``client``'s driver, the
-    way :class:`WorkerGroup` sends blocking calls; returns the worker's reply."""
+    way :class:`WorkerGroup` sends blocking calls (a ``CallMessage`` on the driver's call
+    stream to that worker); returns the worker's reply as ``{"status", "exception"}``."""
     driver = _Driver.of(client)
     slot = wg._slots[0]
     (seq,) = driver.sequencer.take_seqs([slot.server_id])
@@ -251,12 +252,15 @@ def _send_as(client: Client, wg: WorkerGroup, method: str) -> dict:
         worker_id=slot.server_id,
     )
 
-    async def send():
-        return await client.rpc(slot.address).daskwg_call(
-            call=dataclasses.astuple(call), payload=pack(((), {}))
-        )
+    payload = serialization.dumps(((), {}))
 
-    return client.sync(send)
+    async def send():
+        message = CallMessage(call, payload.header).to_wire()
+        return await driver.streams.request(slot.address, slot.server_id, message, payload.buffers)
+
+    reply, _ = client.sync(send)
+    reply = Reply.from_wire(reply)
+    return {"status": reply.status, "exception": None if reply.error is None else pickle.loads(reply.error)}
 
 
 @pytest.mark.parametrize("method", ["pid", "__del__"])

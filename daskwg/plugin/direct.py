@@ -1,100 +1,77 @@
 """Calls that come straight to this worker (the direct path): :class:`DirectCalls`.
 
-A driver sends each call on its call stream to the rank's worker (``daskwg.plugin.stream``),
-or as a ``daskwg_call`` request (how Dask actors are reached); either way the call is
-unpacked here, its ``DataProtoFuture`` inputs start to arrive (``daskwg.plugin.inputs``),
-it takes its place in the driver's order on the host thread
-(:meth:`daskwg.plugin.host.HostPlugin.enqueue`), and its outcome goes back: the result
-(a blocking call's, or a small kept one), or the error shaped for the driver. A
-non-blocking call's result stays here under its key (``daskwg.plugin.results``).
+A driver sends each call on its call stream to the rank's worker (``daskwg.plugin.stream``,
+a :class:`daskwg.wire.messages.CallMessage`); the call is unpacked here, its
+``DataProtoFuture`` inputs start to arrive (``daskwg.plugin.inputs``), it takes its place in
+the driver's order on the host thread (:meth:`daskwg.plugin.host.HostPlugin.enqueue`), and
+its :class:`Outcome` goes back: the result (a blocking call's, or a small kept one), or the
+error shaped for the driver. A non-blocking call's result stays here under its key
+(``daskwg.plugin.results``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import pickle
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
-from typing import Any
-
-from distributed.protocol import to_serialize
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import CallCancelledError
 from ..serialization import pickling as serialization
-from ..serialization.parts import message_part, unpack, unpacked_part
-from ..wire.messages import Call
+from ..wire.messages import Call, CallMessage
 from . import rows
 from .exceptions import picklable, unpickling_error
 
-__all__ = ["DirectCalls"]
+if TYPE_CHECKING:
+    from .host import HostPlugin
+
+__all__ = ["DirectCalls", "Outcome"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one call that came straight to this worker ended, as :meth:`DirectCalls.start`
+    hands it to its ``reply`` (``daskwg.plugin.stream`` turns it into a
+    :class:`~daskwg.wire.messages.Reply`).
+
+    Attributes:
+        status: ``"OK"``, ``"error"`` or ``"cancelled"``.
+        nbytes: the result's size in bytes (``None`` unless ``"OK"``).
+        error: the exception, shaped for the driver (``"error"`` only).
+        result: the snapshot to send back: a blocking call's result, or a kept one of at
+            most ``inline`` bytes holding no tensors or arrays; else ``None``.
+        info: a kept batch's pickled :class:`~daskwg.wire.messages.PartInfo`, when the
+            result stays here (``None``: not a batch, or too large to send along).
+    """
+
+    status: str
+    nbytes: int | None = None
+    error: BaseException | None = None
+    result: serialization.Packed | None = None
+    info: bytes | None = None
+
+
+#: The outcome of a call cancelled before it ran, or interrupted.
+CANCELLED = Outcome("cancelled")
 
 
 class DirectCalls:
     """The direct path's calls on one worker.
 
     Args:
-        host: the worker's ``HostPlugin`` (its sequencer, call table, inputs and result store).
+        host: the worker's host plugin (its order, call table, inputs and result store).
     """
 
-    def __init__(self, host: Any):
+    def __init__(self, host: HostPlugin):
         self.host = host
 
-    async def handle_call(
-        self,
-        call: tuple,
-        payload: dict,
-        key: str | None = None,
-        refs: dict | None = None,
-        inline: int = 0,
-        relay_wait: float = 10.0,
-    ) -> dict:
-        """A call as a Dask request (``daskwg_call``): :meth:`run` it and reply with
-        ``{"status": "OK", "result": packed result}`` (``"nbytes"`` too for a kept one) or
-        ``{"status": "error", "exception": ...}`` or ``{"status": "cancelled"}``. Drivers
-        send calls on call streams (``daskwg_stream``); this serves what else sends one."""
-        status, nbytes, error, result, *_ = await self.run(
-            Call(*call), unpacked_part(payload), refs, key, inline, relay_wait
-        )
-        if status != "OK":
-            return {"status": status, "exception": to_serialize(error)}
-        reply: dict = {"status": "OK", "nbytes": nbytes}
-        if result is not None:
-            reply["result"] = message_part(result)
-        return reply
-
-    async def run(
-        self,
-        call: Call,
-        payload: serialization.Packed,
-        refs: Any,
-        key: str | None = None,
-        inline: int = 0,
-        relay_wait: float = 10.0,
-    ) -> tuple:
-        """:meth:`start` one call and wait for its outcome, on the worker's event loop:
-        ``(status, nbytes, error, result)`` as :meth:`start` gives it."""
-        loop = asyncio.get_running_loop()
-        outcome = loop.create_future()
-
-        def reply(result: tuple) -> None:
-            loop.call_soon_threadsafe(_resolve, outcome, result)
-
-        self.start(call, payload, refs, key, inline, relay_wait, reply)
-        return await outcome
-
     def start(
-        self,
-        call: Call,
-        payload: serialization.Packed,
-        refs: Any,
-        key: str | None,
-        inline: int,
-        relay_wait: float,
-        reply: Callable[[tuple], None],
+        self, message: CallMessage, payload: serialization.Packed, reply: Callable[[Outcome], None]
     ) -> None:
         """Start one call that came straight to this worker, on the worker's event loop;
         ``reply(outcome)`` gets its outcome on the host thread as the call returns (so the
@@ -102,34 +79,25 @@ class DirectCalls:
         call never reaches the host thread (it did not unpickle, it was refused or cancelled).
 
         Args:
-            call: the call.
+            message: the call, as it came (its ``refs``: per ``LazyArg`` of the arguments
+                ``(kind, values)``, pickled, fetched from now on by ``daskwg.plugin.inputs``;
+                its ``key``: a non-blocking call's, its result stays here under it).
             payload: its arguments, pickled (:func:`daskwg.serialization.pickling.dumps`).
-            refs: per ``LazyArg`` of the arguments ``(kind, values)``, pickled or as a
-                message part (``None``: none): fetched from now on (``daskwg.plugin.inputs``).
-            key: a non-blocking call's: its result stays here under ``key``.
-            inline: bytes up to which a kept result is returned as well.
-            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
-            reply: called once with ``(status, nbytes, error, result)``: ``status`` ``"OK"``,
-                ``"error"`` or ``"cancelled"``; ``nbytes`` a kept result's size; ``error`` the
-                exception (shaped for the driver); ``result`` the snapshot to send back (a
-                blocking call's, or a kept one of at most ``inline`` bytes holding no tensors
-                or arrays), else ``None``; a kept batch's outcome has a fifth item, its
-                pickled ``PartInfo`` (or ``None``).
+            reply: called once with the call's :class:`Outcome`.
         """
-        host = self.host
+        host, call, key = self.host, message.call, message.key
         try:
             args = serialization.loads(payload)
             del payload
-            if refs is not None:
-                refs = pickle.loads(refs) if isinstance(refs, bytes) else unpack(refs)
-            lazy = None if refs is None else host._inputs.prefetch(refs, relay_wait)
+            refs = message.refs
+            lazy = None if refs is None else host.inputs.prefetch(pickle.loads(refs), message.relay_wait)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             # The call never reaches the host: give up its place in the order.
-            host._sequencer.skip(call.session, call.seq)
+            host.skip(call)
             error = unpickling_error(call, host.address, exc)
             if key is not None:
                 host.results.fail(key, error)
-            reply(("error", None, error, None))
+            reply(Outcome("error", error=error))
             return
         if key is not None:
             host.results.expect(key, call.session)
@@ -137,7 +105,7 @@ class DirectCalls:
         del args
         cfut = host.enqueue(call, box, lazy, boxed=True)
         del box, lazy
-        cfut.add_done_callback(functools.partial(self._ended, call, key, inline, reply))
+        cfut.add_done_callback(functools.partial(self._ended, call, key, message.inline, reply))
 
     def _ended(
         self, call: Call, key: str | None, inline: int, reply: Callable, cfut: ConcurrentFuture
@@ -149,20 +117,17 @@ class DirectCalls:
             outcome = self._outcome(call, key, inline, cfut)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
             logger.exception("daskwg: finishing call %s failed", call)
-            outcome = (
-                "error",
-                None,
-                RuntimeError(f"daskwg's host failed finishing {call.method!r}: {exc!r}"),
-                None,
+            outcome = Outcome(
+                "error", error=RuntimeError(f"daskwg's host failed finishing {call.method!r}: {exc!r}")
             )
         reply(outcome)
 
-    def _outcome(self, call: Call, key: str | None, inline: int, cfut: ConcurrentFuture) -> tuple:
+    def _outcome(self, call: Call, key: str | None, inline: int, cfut: ConcurrentFuture) -> Outcome:
         host = self.host
         if cfut.cancelled():
             if key is not None:  # its future was cancelled before it ran
                 host.results.fail(key, CallCancelledError(call.method, call.rank, key))
-            return ("cancelled", None, None, None)
+            return CANCELLED
         exc = cfut.exception()
         if exc is not None:
             cancelled = host.calls.was_cancelled(call)
@@ -173,19 +138,19 @@ class DirectCalls:
                 host.results.fail(key, error)
             if cancelled:
                 host.calls.forget_cancelled(call)
-                return ("cancelled", None, None, None)
-            return ("error", None, error, None)
+                return CANCELLED
+            return Outcome("error", error=error)
         host.calls.forget_cancelled(call)
         result = cfut.result()
         if not isinstance(result, serialization.Packed):
             result = serialization.dumps(result)  # a life-cycle call's (None, True)
         if key is None:
-            return ("OK", result.nbytes, None, result)
+            return Outcome("OK", result.nbytes, result=result)
         host.results.put(key, result)
         small = result.nbytes <= inline and not result.buffers  # batches stay here (data plane)
         if small:
-            return ("OK", result.nbytes, None, result)
-        return ("OK", result.nbytes, None, None, _part_info(result, key, host.address))
+            return Outcome("OK", result.nbytes, result=result)
+        return Outcome("OK", result.nbytes, info=_part_info(result, key, host.address))
 
 
 def _part_info(result: serialization.Packed, key: str, address: str) -> bytes | None:
@@ -203,8 +168,3 @@ def _part_info(result: serialization.Packed, key: str, address: str) -> bytes | 
 
 #: Bytes of a pickled PartInfo up to which it goes with its call's reply.
 INFO_LIMIT = 16 << 10
-
-
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)

@@ -43,6 +43,7 @@ from tensordict import TensorDict
 from ..protocol import DataProto
 from ..wire.buffers import pool_limit
 from ..wire.memfiles import PAGE, File, _max_files, available, create
+from ..wire.messages import Handler
 from .exceptions import picklable
 
 __all__ = ["columns_of", "counts", "gather", "install", "SMALLEST"]
@@ -137,7 +138,7 @@ def install(
             return {"status": "error", "exception": to_serialize(picklable(exc))}
         return {"status": "OK"}
 
-    worker.handlers["daskwg_write_rows"] = handle_write_rows
+    worker.handlers[Handler.WRITE_ROWS] = handle_write_rows
 
 
 def _write_rows(batch: TensorDict, start: int, stop: int, target: dict) -> None:

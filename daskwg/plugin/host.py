@@ -2,15 +2,16 @@
 worker groups in every Dask worker process (registered once per cluster under the name
 ``"daskwg"``; every group and every driver share the one instance per worker).
 
-It is a router and a life cycle: it installs the comm handlers (:data:`daskwg.wire.messages.HANDLERS`),
+It is a router and a life cycle: it installs the comm handlers (:class:`daskwg.wire.messages.Handler`),
 builds and destroys :class:`~daskwg.plugin.rank.HostedRank` objects, and hands every call
 to one dedicated thread, in the order the driver issued it. Calls arrive on two paths,
 both carrying a per-driver sequence number for this worker:
 
-* a request to the ``daskwg_call`` handler (how Dask actors are reached), used for
-  blocking calls;
-* a Dask task pinned to this worker running :func:`daskwg.plugin.task.run_call`, used for
-  non-blocking calls and whenever an argument is a future.
+* a message on a driver's call stream (``Handler.STREAM``, :mod:`daskwg.plugin.stream`):
+  blocking and non-blocking calls (:mod:`daskwg.plugin.direct`) and step plans
+  (:mod:`daskwg.plugin.planned`);
+* a Dask task pinned to this worker running :func:`daskwg.plugin.task.run_call`, used
+  whenever an argument is a Dask future (the task path).
 
 The :class:`~daskwg.plugin.sequencer.Sequencer` releases calls to the thread strictly by
 sequence number, so the two paths cannot overtake each other, and Dask's
@@ -39,6 +40,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,7 +55,7 @@ from ..errors import CallCancelledError, GroupBrokenError, RankError, VersionMis
 from ..serialization import registration  # noqa: F401  (tensors, DataProtos, Packed results: daskwg's frames and sizeof)
 from ..wire import local_link
 from ..wire import messages as wire
-from ..wire.messages import PLUGIN_NAME, Call
+from ..wire.messages import PLUGIN_NAME, Call, Handler
 from . import rows, stream
 from .calls import CallTable, status_records
 from .direct import DirectCalls
@@ -112,21 +114,21 @@ class HostPlugin(WorkerPlugin):
         self._metrics = CallMetrics()
         #: results of non-blocking calls, kept here under keys their driver owns.
         self.results = ResultStore(worker, self._sequencer.seen)
-        self._inputs = Inputs(worker, self.results)
+        #: the ``DataProtoFuture`` inputs of calls, fetched from other workers.
+        self.inputs = Inputs(worker, self.results)
         self._plans = PlanRunner(self)
         self.direct = DirectCalls(self)
         self.results.install()
         handlers = {
-            "daskwg_call": self.direct.handle_call,
-            "daskwg_stream": self._handle_stream,
-            "daskwg_skip": self._handle_skip,
-            "daskwg_cancel": self._handle_cancel,
-            "daskwg_reserve_port": self._handle_reserve_port,
-            "daskwg_release": self._handle_release,
-            "daskwg_memory": self._handle_memory,
-            "daskwg_progress": self._handle_progress,
-            "daskwg_status": self._handle_status,
-            "daskwg_metrics": self._handle_metrics,
+            Handler.STREAM: self._handle_stream,
+            Handler.SKIP: self._handle_skip,
+            Handler.CANCEL: self._handle_cancel,
+            Handler.RESERVE_PORT: self._handle_reserve_port,
+            Handler.RELEASE: self._handle_release,
+            Handler.MEMORY: self._handle_memory,
+            Handler.PROGRESS: self._handle_progress,
+            Handler.STATUS: self._handle_status,
+            Handler.METRICS: self._handle_metrics,
         }
         worker.handlers.update(handlers)
         rows.install(worker, self.results.get)
@@ -149,7 +151,7 @@ class HostPlugin(WorkerPlugin):
             group_executors = list(self._group_executors.values())
         for executor in group_executors:
             executor.shutdown(wait=False, cancel_futures=True)
-        self._inputs.shared.close()
+        self.inputs.shared.close()
         stop_listening = getattr(self, "_stop_listening", None)
         if stop_listening is not None:
             stop_listening()
@@ -186,21 +188,39 @@ class HostPlugin(WorkerPlugin):
             failed.set_exception(earlier_process_error(call, self.address))
             return failed
         self.calls.queue(call)
-        with self._hosted_lock:
-            hosted = self._hosted.get((call.group_id, call.rank))
         box = payload if boxed else [payload]
         del payload
-        result = self._sequencer.submit(
-            call.session,
-            call.seq,
-            lambda: self._execute_counted(call, box, lazy_values, boxed),
-            outlives=hosted is not None and hosted.detached,
-        )
+        result = self.take_turn(call, lambda: self.execute(call, box, lazy_values, boxed))
         if result.done():  # refused at once: it never takes a place in the order
             self.calls.dequeue(call)
         else:
             self.calls.track(call, result)
         return result
+
+    def take_turn(self, call: Call, run: Callable[[], Any], span: int = 1) -> ConcurrentFuture:
+        """Run ``run`` on the host thread of ``call``'s concurrency group once every earlier
+        call of ``call.session`` here has run (:meth:`Sequencer.submit
+        <daskwg.plugin.sequencer.Sequencer.submit>`); a call of a detached rank's outlives
+        its driver's release.
+
+        Args:
+            call: gives the place, ``(call.session, call.seq)``, and the rank.
+            run: what runs there (e.g. :meth:`execute` of the call).
+            span: places it takes, from ``call.seq`` on (a step plan's calls run as one item).
+
+        Returns:
+            a future of what ``run`` returns; done at once if the place was refused (its
+            driver left, or the number came twice).
+        """
+        with self._hosted_lock:
+            hosted = self._hosted.get((call.group_id, call.rank))
+        detached = hosted is not None and hosted.detached
+        return self._sequencer.submit(call.session, call.seq, run, outlives=detached, span=span)
+
+    def skip(self, call: Call) -> None:
+        """Give up ``call``'s place in its driver's order here: it never runs (its arguments
+        did not unpickle), and the calls after it need not wait for it."""
+        self._sequencer.skip(call.session, call.seq)
 
     # ---- comm handlers ---------------------------------------------------------------
 
@@ -319,7 +339,24 @@ class HostPlugin(WorkerPlugin):
         if getattr(getattr(asyncio.get_event_loop_policy(), "_local", None), "_loop", None) is not loop:
             asyncio.set_event_loop(loop)
 
-    def _execute_counted(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
+    def execute(self, call: Call, box: list, lazy_values: list | None, boxed: bool) -> Any:
+        """Run one call on this host thread, counted in the call metrics; what :meth:`enqueue`
+        queues and a step plan runs per call (``daskwg.plugin.planned``).
+
+        Args:
+            call: the call.
+            box: a one-item list holding ``(args, kwargs)`` (or a life-cycle call's raw payload).
+            lazy_values: what stands for the call's ``LazyArg``\\ s, or ``None``.
+            boxed: the box holds the only reference to the arguments (see :meth:`enqueue`).
+
+        Returns:
+            the result's snapshot (``daskwg.plugin.rank.snapshot``), or a life-cycle call's value.
+
+        Raises:
+            RankError: the method raised (shaped for the driver).
+            GroupBrokenError: the rank is not hosted here.
+            VersionMismatchError: the driver speaks another wire format (``__init__``).
+        """
         t0 = time.perf_counter()
         ok = False
         try:
@@ -480,7 +517,7 @@ class HostPlugin(WorkerPlugin):
         args, kwargs = payload
         padding = 0
         if lazy_values is not None:
-            args, kwargs, padding = self._inputs.resolve(call, args, kwargs, lazy_values)
+            args, kwargs, padding = self.inputs.resolve(call, args, kwargs, lazy_values)
         self._metrics.record_bytes(call.group_name, "in", payload_nbytes((args, kwargs)))
         self._process_groups.check(call, hosted.world_size, hosted.check_process_group)
         self._env.apply(hosted.env)

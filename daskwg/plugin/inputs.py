@@ -35,7 +35,7 @@ from ..futures.interpreter import argument_rows, length_check, padding_of
 from ..futures.pieces import check_lengths
 from ..serialization import pickling as serialization
 from ..wire import messages as wire
-from ..wire.messages import Call, LazyArg, PartInfo, ResultRef
+from ..wire.messages import Call, Handler, LazyArg, PartInfo, ResultRef
 from . import rows
 from .relay import Relays
 from .results import ResultStore
@@ -135,14 +135,14 @@ class Inputs:
         if ref.via is not None or ref.relays:
             return await self.relays.fetch(ref, relay_wait)
         if ref.shared:
-            response = await self._ask(ref, "daskwg_shared")
+            response = await self._ask(ref, Handler.SHARED)
             if response["status"] == "OK":
                 return response["data"]
             try:
                 return attach(response)
             except OSError:
                 pass  # not this process's to open (another PID namespace): over the comm
-        response = await self._ask(ref, "daskwg_fetch")
+        response = await self._ask(ref, Handler.FETCH)
         return response["data"]
 
     async def info(self, ref: ResultRef) -> PartInfo:
@@ -151,7 +151,7 @@ class Inputs:
             return ref.info
         if ref.address == self.worker.address:
             return rows.part_info_of(await self.store.wait(ref), ref.key, ref.address)
-        return (await self._ask(ref, "daskwg_part_info"))["info"]
+        return (await self._ask(ref, Handler.PART_INFO))["info"]
 
     async def _ask(self, ref: ResultRef, handler: str, **extra: Any) -> dict:
         try:
@@ -297,7 +297,7 @@ class Inputs:
 
         async def ask_all() -> list:
             return await asyncio.gather(
-                *(self._ask(ref, "daskwg_shared", finished=True) for ref in asked if ref is not None)
+                *(self._ask(ref, Handler.SHARED, finished=True) for ref in asked if ref is not None)
             )
 
         try:
@@ -329,7 +329,7 @@ class Inputs:
             ref = refs.get(part)
             if ref is None:
                 return {"status": "unavailable"}
-            return await self._ask(ref, "daskwg_write_rows", start=start, stop=stop, target=target)
+            return await self._ask(ref, Handler.WRITE_ROWS, start=start, stop=stop, target=target)
 
         async def ask_all() -> list:
             return await asyncio.gather(*(ask(*a) for a in asks), return_exceptions=True)

@@ -1,6 +1,6 @@
 """A replayed step plan's part on this worker (``daskwg.plan``): :class:`PlanRunner`.
 
-One ``("plan", ...)`` message on a driver's call stream (:func:`daskwg.wire.messages.plan_message`)
+One ``("plan", ...)`` message on a driver's call stream (:class:`daskwg.wire.messages.PlanMessage`)
 carries every call that one replay of a step makes on this worker's ranks, in the driver's
 order, under consecutive sequence numbers of the driver's session. They take their place
 in that order as one item and run in one turn of the host thread: each call as an ordinary
@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import foreign
 from ..errors import GroupBrokenError, RankError
@@ -30,6 +30,9 @@ from ..wire.messages import Call, Slot
 from .exceptions import picklable, unpickling_error
 from .rank import snapshot
 
+if TYPE_CHECKING:
+    from .host import HostPlugin
+
 __all__ = ["PlanRunner"]
 
 logger = logging.getLogger(__name__)
@@ -39,11 +42,11 @@ class PlanRunner:
     """Runs the step plans that arrive at one worker.
 
     Args:
-        host: the worker's ``HostPlugin`` (its sequencer, call table, result store and
-            the ``_execute_counted`` that runs one call on the host thread).
+        host: the worker's host plugin (its order, call table, result store and the
+            ``execute`` that runs one call on the host thread).
     """
 
-    def __init__(self, host: Any):
+    def __init__(self, host: HostPlugin):
         self.host = host
 
     async def run(self, entries: list[tuple], payload: serialization.Packed, inline: int) -> list[tuple]:
@@ -77,12 +80,12 @@ class PlanRunner:
             reply: gets the outcomes.
         """
         host = self.host
-        calls = [Call(*e[0]) for e in entries]
+        calls = [Call.from_wire(e[0]) for e in entries]
         try:
             payloads = serialization.loads(payload)
         except Exception as exc:  # noqa: BLE001 - e.g. a class the worker cannot import
             for call in calls:
-                host._sequencer.skip(call.session, call.seq)
+                host.skip(call)
             error = unpickling_error(calls[0], host.address, exc)
             reply([("error", None, error, None)] * len(calls))
             return
@@ -91,15 +94,9 @@ class PlanRunner:
             if result == "keep":
                 host.results.expect(key, call.session)
         first = calls[0]
-        with host._hosted_lock:
-            hosted = host._hosted.get((first.group_id, first.rank))
         host.calls.queue(first)
-        cfut = host._sequencer.submit(
-            first.session,
-            first.seq,
-            functools.partial(self._execute, calls, entries, payloads),
-            outlives=hosted is not None and hosted.detached,
-            span=len(calls),
+        cfut = host.take_turn(
+            first, functools.partial(self._execute, calls, entries, payloads), span=len(calls)
         )
         del payloads
         cfut.add_done_callback(functools.partial(self._ended, first, entries, inline, reply))
@@ -168,7 +165,7 @@ class PlanRunner:
             box = _HandOff([(args, kwargs)]) if result == "none" and uses == 1 else [(args, kwargs)]
             del args, kwargs
             try:
-                packed = host._execute_counted(call, box, None, True)
+                packed = host.execute(call, box, None, True)
             except BaseException as exc:  # noqa: BLE001 - shaped by _execute for the driver
                 error = picklable(exc)
                 outcomes.append((False, error))

@@ -36,7 +36,7 @@ from distributed.protocol import to_serialize
 from ..errors import WorkerLostError
 from ..serialization import pickling as serialization
 from ..wire.buffers import receive_buffer
-from ..wire.messages import ResultRef
+from ..wire.messages import Handler, ResultRef
 from .exceptions import picklable
 from .results import ResultStore
 
@@ -100,7 +100,7 @@ class Relays:
 
     def install(self) -> None:
         """Install the ``daskwg_relay`` handler."""
-        self.worker.handlers["daskwg_relay"] = self._handle_relay
+        self.worker.handlers[Handler.RELAY] = self._handle_relay
 
     # ---- consuming -----------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class Relays:
         try:
             await comm.write(
                 {
-                    "op": "daskwg_relay",
+                    "op": Handler.RELAY,
                     "key": ref.key,
                     "session": ref.session,
                     "seq": ref.seq,

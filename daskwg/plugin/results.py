@@ -36,7 +36,7 @@ from distributed.worker_state_machine import FreeKeysEvent
 
 from ..errors import GroupBrokenError
 from ..serialization import pickling as serialization
-from ..wire.messages import ResultRef
+from ..wire.messages import Handler, ResultRef
 from .exceptions import picklable
 from .rows import part_info_of
 
@@ -88,14 +88,13 @@ class ResultStore:
         return value
 
     def install(self) -> None:
-        """Install the ``daskwg_fetch``, ``daskwg_part_info``, ``daskwg_free`` and
-        ``daskwg_publish`` handlers."""
+        """Install the ``Handler.FETCH``, ``PART_INFO``, ``FREE`` and ``PUBLISH`` handlers."""
         self.worker.handlers.update(
             {
-                "daskwg_fetch": self._handle_fetch,
-                "daskwg_part_info": self._handle_part_info,
-                "daskwg_free": self._handle_free,
-                "daskwg_publish": self._handle_publish,
+                Handler.FETCH: self._handle_fetch,
+                Handler.PART_INFO: self._handle_part_info,
+                Handler.FREE: self._handle_free,
+                Handler.PUBLISH: self._handle_publish,
             }
         )
 

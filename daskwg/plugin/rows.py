@@ -32,7 +32,7 @@ from ..futures.interpreter import concat_parts, evaluate, rows_of, select_column
 from ..futures.plan import Plan
 from ..protocol import DataProto
 from ..serialization import pickling as serialization
-from ..wire.messages import PartInfo
+from ..wire.messages import Handler, PartInfo
 from . import gathered
 
 __all__ = ["part_info", "part_info_of", "part_released", "evaluate_on_worker", "install", "MAP_FRACTION"]
@@ -114,7 +114,7 @@ def install(worker: Any, lookup: Any) -> None:
         piece = _slice(worker, lookup, key, start, stop, _columns_of(columns))
         return {"data": to_serialize(serialization.dumps(piece))}
 
-    worker.handlers["daskwg_rows"] = handle_rows
+    worker.handlers[Handler.ROWS] = handle_rows
     gathered.install(worker, lookup, _value, part_released)
 
 
@@ -255,7 +255,7 @@ async def _gather_rows(worker: Any, requests: list[tuple]) -> list[dict]:
     """``daskwg_rows`` answers for ``(info, start, stop, columns)`` each, asked concurrently."""
     return await asyncio.gather(
         *(
-            worker.rpc(info.address).daskwg_rows(
+            getattr(worker.rpc(info.address), Handler.ROWS)(
                 key=info.key, start=start, stop=stop, columns=_columns_msg(columns)
             )
             for info, start, stop, columns in requests

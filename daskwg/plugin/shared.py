@@ -47,7 +47,7 @@ from distributed.protocol import to_serialize
 from ..serialization import pickling as serialization
 from ..wire.buffers import pool_limit
 from ..wire.memfiles import File, available, create, layout, open_mapping, write
-from ..wire.messages import ResultRef
+from ..wire.messages import Handler, ResultRef
 from .exceptions import picklable
 from .results import ResultStore
 from .rows import part_released
@@ -152,7 +152,7 @@ class SharedResults:
 
     def install(self) -> None:
         """Install the ``daskwg_shared`` handler and hear of freed results."""
-        self.worker.handlers["daskwg_shared"] = self._handle_shared
+        self.worker.handlers[Handler.SHARED] = self._handle_shared
         self.store.on_free.append(self.release)
 
     def release(self, keys: list[str]) -> None:

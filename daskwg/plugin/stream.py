@@ -1,10 +1,11 @@
-"""A driver's call stream to this worker: the ``daskwg_stream`` handler (:func:`serve`).
+"""A driver's call stream to this worker: the ``Handler.STREAM`` handler (:func:`serve`).
 
 Drivers send their calls to a worker on call streams (``daskwg.transport.streams``): one
 connection per driver loop and worker, which a Dask comm opened and on which both ends then
 write :class:`daskwg.wire.frames.FrameStream` frames. Each message is one call
-(:func:`daskwg.wire.messages.call_message`, the arguments' buffers beside it); each reply
-(:func:`daskwg.wire.messages.reply_message`) goes out when its call finishes, in whatever order
+(:class:`daskwg.wire.messages.CallMessage`, the arguments' buffers beside it), step plan
+(:class:`~daskwg.wire.messages.PlanMessage`), fetch or free; each
+:class:`~daskwg.wire.messages.Reply` goes out when its call finishes, in whatever order
 calls finish, so no connection is held per waiting call.
 
 Everything here runs on the worker's event loop.
@@ -25,7 +26,8 @@ from ..errors import safe_str
 from ..serialization import pickling as serialization
 from ..wire import memfiles
 from ..wire.frames import FrameStream
-from ..wire.messages import Call, reply_message
+from ..wire.messages import CallMessage, FetchMessage, FreeMessage, PlanMessage, Reply
+from .direct import Outcome
 
 __all__ = ["serve"]
 
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 async def serve(
     comm: Any,
-    start: Callable[..., None],
+    start: Callable[[CallMessage, serialization.Packed, Callable[[Outcome], None]], None],
     free: Callable[[list], None],
     start_plan: Callable[..., None],
     fetch: Callable[..., Awaitable[serialization.Packed]],
@@ -44,13 +46,13 @@ async def serve(
 
     Args:
         comm: the stream's comm (the handler's first argument).
-        start: the host's ``start(call, payload, refs, key, inline, relay_wait, reply)``.
+        start: :meth:`daskwg.plugin.direct.DirectCalls.start` ``(message, payload, reply)``.
         start_plan: ``PlanRunner.start(entries, payload, inline, reply)`` (a step plan's replay,
-            :func:`daskwg.wire.messages.plan_message`).
-        free: drops kept results by key (a ``("free", 0, keys)`` message: the driver let go
-            of them before the scheduler heard of them).
+            :class:`daskwg.wire.messages.PlanMessage`).
+        free: drops kept results by key (a :class:`~daskwg.wire.messages.FreeMessage`: the
+            driver let go of them before the scheduler heard of them).
         fetch: ``ResultStore.packed(key, session, seq, source)``, the pickled value of a
-            kept result (a :func:`daskwg.wire.messages.fetch_message`), answered as a call's reply.
+            kept result (a :class:`~daskwg.wire.messages.FetchMessage`), answered as a call's reply.
         files: the driver's :func:`daskwg.wire.memfiles.probe`, sent by a driver of this host
             (``daskwg.transport.streams``): this side answers whether it maps the driver's
             files (with ``daskwg.shared-memory`` on here too) and with its own probe; the
@@ -72,67 +74,64 @@ async def serve(
             message, buffers = await frames.read()
         except OSError:  # CommClosedError: the driver closed it, or went away
             break
-        if message[0] == "call":
-            _one(frames, lock, message, buffers, start)
-        elif message[0] == "plan":
-            _plan(frames, lock, message, buffers, start_plan)
-        elif message[0] == "fetch":
-            asyncio.ensure_future(_fetch(frames, lock, message, fetch))
-        elif message[0] == "free":
-            free(list(message[2]))
+        kind = message[0]
+        if kind == "call":
+            _one(frames, lock, CallMessage.from_wire(message), buffers, start)
+        elif kind == "plan":
+            _plan(frames, lock, PlanMessage.from_wire(message), buffers, start_plan)
+        elif kind == "fetch":
+            asyncio.ensure_future(_fetch(frames, lock, FetchMessage.from_wire(message), fetch))
+        elif kind == "free":
+            free(FreeMessage.from_wire(message).keys)
         elif message[0] == "files":
             frames.files = memfiles.send_files() if message[2] else None
         else:
-            logger.warning("daskwg call stream: unknown message %r ignored", message[0])
+            logger.warning("daskwg call stream: unknown message %r ignored", kind)
         # A call's arguments are not kept here until the driver's next message.
         message = buffers = None
     return Status.dont_reply
 
 
-def _one(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, start: Any) -> None:
-    _, cid, call, header, key, inline, relay_wait, refs = message
+def _one(frames: FrameStream, lock: asyncio.Lock, message: CallMessage, buffers: list, start: Any) -> None:
+    cid = message.cid
     loop = asyncio.get_running_loop()
 
-    def reply(outcome: tuple) -> None:
-        status, nbytes, error, result, *info = outcome
-        message = reply_message(
+    def reply(outcome: Outcome) -> None:
+        error, result = outcome.error, outcome.result
+        answer = Reply(
             cid,
-            status,
-            nbytes,
+            outcome.status,
+            outcome.nbytes,
             None if error is None else _pickled(error),
             None if result is None else result.header,
-            info[0] if info else None,
+            outcome.info,
         )
-        _send(frames, lock, loop, cid, message, [] if result is None else result.buffers)
+        _send(frames, lock, loop, answer, [] if result is None else result.buffers)
 
     try:
-        start(Call(*call), serialization.Packed(header, buffers), refs, key, inline, relay_wait, reply)
+        start(message, serialization.Packed(message.header, buffers), reply)
     except Exception as exc:  # noqa: BLE001 - start answers its own errors; this is a defect
-        logger.exception("daskwg call stream: call %s failed outside the host", call)
-        reply(("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None))
+        logger.exception("daskwg call stream: call %s failed outside the host", message.call)
+        reply(Outcome("error", error=RuntimeError(f"daskwg's host failed: {exc!r}")))
 
 
 def _send(
     frames: FrameStream,
     lock: asyncio.Lock,
     loop: asyncio.AbstractEventLoop,
-    cid: int,
-    message: tuple,
+    reply: Reply,
     buffers: list,
 ) -> None:
     """Write a reply from whichever thread has it: at once if the stream takes it
     (``FrameStream.write_now``), else on the stream's loop."""
+    message = reply.to_wire()
     try:
         if frames.write_now(message, buffers):
             return
     except Exception as exc:  # noqa: BLE001 - the reply does not pickle: say so instead
         logger.exception("daskwg call stream: a reply could not be written")
-        message, buffers = (
-            reply_message(
-                cid, "error", None, _pickled(RuntimeError(f"daskwg's reply failed: {exc!r}")), None
-            ),
-            [],
-        )
+        failed = RuntimeError(f"daskwg's reply failed: {exc!r}")
+        message, buffers = Reply(reply.cid, "error", error=_pickled(failed)).to_wire(), []
     try:
         loop.call_soon_threadsafe(_write_later, frames, lock, message, buffers)
     except RuntimeError:
@@ -151,8 +150,10 @@ async def _write(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffer
             pass  # the driver is gone; kept results stay until it is released
 
 
-def _plan(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list, start_plan: Any) -> None:
-    _, cid, entries, header, inline = message
+def _plan(
+    frames: FrameStream, lock: asyncio.Lock, message: PlanMessage, buffers: list, start_plan: Any
+) -> None:
+    cid, entries = message.cid, message.entries
     loop = asyncio.get_running_loop()
 
     def reply(outcomes: list[tuple]) -> None:
@@ -169,29 +170,28 @@ def _plan(frames: FrameStream, lock: asyncio.Lock, message: tuple, buffers: list
             )
             if result is not None:
                 out_buffers.extend(result.buffers)
-        message = reply_message(cid, "plan", None, None, pickle.dumps(records))
-        _send(frames, lock, loop, cid, message, out_buffers)
+        _send(frames, lock, loop, Reply(cid, "plan", header=pickle.dumps(records)), out_buffers)
 
     try:
-        start_plan(entries, serialization.Packed(header, buffers), inline, reply)
+        start_plan(entries, serialization.Packed(message.header, buffers), message.inline, reply)
     except Exception as exc:  # noqa: BLE001 - start_plan answers its own errors; this is a defect
         logger.exception("daskwg call stream: a step plan failed outside the host")
         reply([("error", None, RuntimeError(f"daskwg's host failed: {exc!r}"), None)] * len(entries))
 
 
-async def _fetch(frames: FrameStream, lock: asyncio.Lock, message: tuple, fetch: Any) -> None:
-    _, cid, key, session, seq, source = message
+async def _fetch(frames: FrameStream, lock: asyncio.Lock, message: FetchMessage, fetch: Any) -> None:
+    cid = message.cid
     try:
-        packed = await fetch(key, session, seq, source)
+        packed = await fetch(message.key, message.session, message.seq, message.source)
     except asyncio.CancelledError:
         return  # the worker is closing: the driver sees the stream close
     except Exception as exc:  # noqa: BLE001 - the driver raises it
-        reply, buffers = reply_message(cid, "error", None, _pickled(exc), None), []
+        reply, buffers = Reply(cid, "error", error=_pickled(exc)), []
     else:
-        reply, buffers = reply_message(cid, "OK", packed.nbytes, None, packed.header), packed.buffers
+        reply, buffers = Reply(cid, "OK", packed.nbytes, header=packed.header), packed.buffers
     async with lock:
         try:
-            await frames.write(reply, buffers)
+            await frames.write(reply.to_wire(), buffers)
         except OSError:
             pass  # the driver is gone
 

@@ -44,7 +44,7 @@ async def run_call(call: tuple, payload: tuple, lazy_values: list | None = None,
     ``distributed.secede`` does for threads), so later calls, which Dask may start first,
     can take their places in the order.
     """
-    call = Call(*call)
+    call = Call.from_wire(call)
     worker = get_worker()
     host = worker.plugins.get(wire.PLUGIN_NAME)
     if host is None:

@@ -36,6 +36,7 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 
 from .. import config as _config  # noqa: F401  (loads daskwg's dask.config defaults)
+from ..wire.messages import Handler
 from ..wire.metrics import BUCKETS
 from ..wire.records import ROOT
 from .metrics import merge
@@ -137,7 +138,7 @@ class DashboardPlugin(SchedulerPlugin):
             restarted, or the group is being built or shut down) or
             ``"unresponsive"``.
         """
-        status, unresponsive = await self._query("daskwg_status")
+        status, unresponsive = await self._query(Handler.STATUS)
         groups: dict[str, dict] = {}
         for name, record in self.groups().items():
             workers = list(record.get("workers") or ())
@@ -201,7 +202,7 @@ class DashboardPlugin(SchedulerPlugin):
             return  # no groups now, and the last refresh already saw none
         self._refreshing = True
         try:
-            counters, _ = await self._query("daskwg_metrics")
+            counters, _ = await self._query(Handler.METRICS)
             self.cache = {"status": await self.snapshot(), "metrics": merge(counters.values())}
         except Exception:  # noqa: BLE001 - the next round tries again
             logger.debug("daskwg metrics refresh failed", exc_info=True)

@@ -6,6 +6,7 @@ import asyncio
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..wire.messages import Handler
 from ..wire.records import ROOT, drop_client
 
 __all__ = ["ReleaseOnClientExit"]
@@ -30,5 +31,5 @@ class ReleaseOnClientExit(SchedulerPlugin):
         if not scheduler.workers:
             return
         asyncio.ensure_future(
-            scheduler.broadcast(msg={"op": "daskwg_release", "client": client}, on_error="ignore")
+            scheduler.broadcast(msg={"op": Handler.RELEASE, "client": client}, on_error="ignore")
         )

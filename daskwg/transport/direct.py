@@ -14,20 +14,20 @@ import functools
 import pickle
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..deadlines import Limit
 from ..errors import GroupBrokenError, RankError, WorkerLostError
 from ..serialization import pickling as serialization
-from ..wire import messages as wire
-from ..wire.messages import Call
+from ..wire.messages import Call, CallMessage, Reply
 from .driver import GroupRanks
 from .failure import root_cause
 from .failure.state import CallWatch, FailureState, fresh_error, transfer_error
 from .failure.waiting import timeout_error
 from .streams import CallStreams
 
-__all__ = ["DirectPath"]
+__all__ = ["DirectPath", "SendOptions"]
 
 
 def _consume_exception(task: asyncio.Future) -> None:
@@ -44,6 +44,34 @@ async def _when_drained(
     finally:
         if not sent.done():
             sent.set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class SendOptions:
+    """How :meth:`DirectPath.send` sends one blocking call and waits for it.
+
+    Attributes:
+        grace: seconds the other ranks get after one raised (``daskwg.rank-failure-grace``,
+            or the group's own settling time).
+        private: the connection pool and streams belong to a loop that runs only while its
+            thread is in a call (a :class:`~daskwg.transport.channel.Channel`'s).
+        limit: the call's deadline (``None``: none).
+        status_timeout: seconds a worker gets to answer the deadline report's status request
+            (``daskwg.status-timeout``).
+        poll: seconds between checks for a rank's worker taken as lost meanwhile
+            (``daskwg.poll-interval``).
+        relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+        on_sent: called once every call is written (or its writing failed, or ``grace``
+            passed): :meth:`daskwg.transport.channel.HeldInterrupt.release`.
+    """
+
+    grace: float = 0.0
+    private: bool = False
+    limit: Limit | None = None
+    status_timeout: float = 2.0
+    poll: float = 0.2
+    relay_wait: float = 10.0
+    on_sent: Callable[[], None] | None = None
 
 
 class DirectPath:
@@ -63,35 +91,22 @@ class DirectPath:
         pool: Any,
         streams: CallStreams,
         calls: list[Call],
-        payloads: list,
-        grace: float,
-        private: bool,
-        limit: Limit | None = None,
-        status_timeout: float = 2.0,
-        poll: float = 0.2,
-        refs: list | None = None,
-        relay_wait: float = 10.0,
-        on_sent: Callable[[], None] | None = None,
+        payloads: list[serialization.Packed],
+        refs: list | None,
+        options: SendOptions,
     ) -> list:
         """Send ``calls`` (one per rank) with their packed ``payloads`` and wait for all.
 
         Args:
             pool: a Dask ``ConnectionPool``: the client's (on the client's event loop) or
-                the calling thread's own (``private``), which saves the two thread hops of
-                ``client.sync`` on every call; for the deadline report's status requests.
+                the calling thread's own (``options.private``), which saves the two thread
+                hops of ``client.sync`` on every call; for the deadline report's status requests.
             streams: the :class:`~daskwg.transport.streams.CallStreams` of the same loop.
             calls: one :class:`~daskwg.wire.messages.Call` per rank.
             payloads: per call, a :class:`~daskwg.serialization.pickling.Packed`.
-            grace: seconds the other ranks get after one raised.
-            private: ``pool`` belongs to a loop that runs only while its thread is in a call.
-            limit: the call's deadline.
-            status_timeout: seconds a worker gets to answer the deadline report's status request.
-            poll: seconds between checks for a rank's worker taken as lost meanwhile
-                (``daskwg.poll-interval``).
-            refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s, or ``None``.
-            relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
-            on_sent: called once every call is written (or its writing failed, or ``grace``
-                passed): :meth:`daskwg.transport.channel.HeldInterrupt.release`.
+            refs: per call, ``(kind, values)`` for each of its ``LazyArg``\\ s, or ``None``
+                (``None``: no call has any).
+            options: the grace, deadline, polling and the like (:class:`SendOptions`).
 
         Returns:
             the per-rank results, in the order of ``calls``.
@@ -99,8 +114,10 @@ class DirectPath:
         Raises:
             RankError: a rank raised (at once; the others get ``grace`` seconds).
             WorkerLostError: a rank's worker is gone or its connection dropped.
-            CallTimeoutError: ``limit`` passed.
+            CallTimeoutError: ``options.limit`` passed.
         """
+        grace, private, limit, poll = options.grace, options.private, options.limit, options.poll
+        relay_wait, on_sent = options.relay_wait, options.on_sent
         t0 = time.monotonic()
         refs = refs or [None] * len(calls)
         loop = asyncio.get_running_loop()
@@ -196,7 +213,7 @@ class DirectPath:
             self.failures.abandon(calls[0].method, pending, "deadline", seqs)
             done = {c.rank for c, t in zip(calls, tasks) if t.done()}
             raise await timeout_error(
-                self.ranks, pool, calls, done, limit, time.monotonic() - t0, status_timeout
+                self.ranks, pool, calls, done, limit, time.monotonic() - t0, options.status_timeout
             )
         return [t.result() for t in tasks]
 
@@ -218,9 +235,8 @@ class DirectPath:
 
     @staticmethod
     def _message(call: Call, payload: serialization.Packed, refs: list | None, relay_wait: float) -> tuple:
-        return wire.call_message(
-            call, payload.header, None, 0, relay_wait, None if refs is None else pickle.dumps(refs)
-        )
+        pickled = None if refs is None else pickle.dumps(refs)
+        return CallMessage(call, payload.header, relay_wait=relay_wait, refs=pickled).to_wire()
 
     def _decode(self, call: Call, address: str, reply: tuple, buffers: list) -> tuple[str, Any]:
         """A reply as ``("ok", value)``, ``("failed", error)`` (raise it as it is) or
@@ -231,13 +247,13 @@ class DirectPath:
         self.ranks.driver.sequencer.note_finished(
             self.ranks.slots[call.rank].server_id, call.seq, call.session
         )
-        _, _, status, _, error, header, _ = reply
+        answer = Reply.from_wire(reply)
         try:
-            if status == "OK":
-                return "ok", serialization.loads(serialization.Packed(header, buffers))
-            if error is None:
+            if answer.status == "OK":
+                return "ok", serialization.loads(serialization.Packed(answer.header, buffers))
+            if answer.error is None:
                 return "raised", GroupBrokenError(f"{call.method!r} was cancelled")
-            return "raised", pickle.loads(error)
+            return "raised", pickle.loads(answer.error)
         except Exception as exc:  # noqa: BLE001 - TRANSFER_ERRORS, or a __setstate__ that raises
             # The result (or the error) could not be unpickled here: name the call instead
             # of a bare unpickling error.

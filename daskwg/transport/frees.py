@@ -17,6 +17,7 @@ import threading
 
 from distributed import Client
 
+from ..wire.messages import FreeMessage
 from .streams import CallStreams
 
 __all__ = ["FREE_DELAY", "SMALL_FREE_DELAY", "SMALL_RESULT", "Frees"]
@@ -98,7 +99,7 @@ class Frees:
         with self._lock:
             keys = self._frees.pop(target, None)
             self._urgent.discard(target)
-        return ("free", 0, keys) if keys else None
+        return FreeMessage(keys).to_wire() if keys else None
 
     async def _post(self, target: tuple[str, str | None], message: tuple) -> None:
         try:

@@ -24,10 +24,10 @@ from ..errors import DispatchError, WorkerGroupError
 from ..serialization import pickling as serialization
 from ..serialization import registration  # noqa: F401  (results, parts and scattered arguments cross Dask as Packed)
 from ..wire.memfiles import BUFFER_SMALLEST
-from ..wire.messages import Call
+from ..wire.messages import Call, Handler
 from .arguments import MAX_ITEMS, extract_futures, needs_dask, plan_relays, ref_keys
 from .channel import HeldInterrupt
-from .direct import DirectPath
+from .direct import DirectPath, SendOptions
 from .driver import Driver, GroupRanks
 from .failure import forensics
 from .failure.heartbeat import Heartbeats
@@ -147,7 +147,9 @@ class GroupTransport:
             OSError: ``port`` is in use there.
         """
         try:
-            return await self.ranks.client.rpc(self.ranks.address(0)).daskwg_reserve_port(port=port)
+            return await getattr(self.ranks.client.rpc(self.ranks.address(0)), Handler.RESERVE_PORT)(
+                port=port
+            )
         except OSError as exc:
             raise OSError(str(exc)) from None
 
@@ -250,39 +252,21 @@ class GroupTransport:
             memoryview(b).nbytes >= BUFFER_SMALLEST for p in packed for b in p.buffers
         )
         held = HeldInterrupt() if large else None
+        options = SendOptions(
+            grace=grace,
+            private=channel is not None,
+            limit=limit,
+            status_timeout=settings.status_timeout,
+            poll=settings.poll_interval,
+            relay_wait=settings.relay_wait,
+            on_sent=None if held is None else held.release,
+        )
         try:
             if channel is None:
                 client = self.ranks.client
-                return client.sync(
-                    self.direct.send,
-                    client.rpc,
-                    driver.streams,
-                    calls,
-                    packed,
-                    grace,
-                    False,
-                    limit,
-                    settings.status_timeout,
-                    settings.poll_interval,
-                    refs,
-                    settings.relay_wait,
-                )
+                return client.sync(self.direct.send, client.rpc, driver.streams, calls, packed, refs, options)
             return channel.run(
-                self.direct.send(
-                    channel.pool,
-                    channel.streams,
-                    calls,
-                    packed,
-                    grace,
-                    True,
-                    limit,
-                    settings.status_timeout,
-                    settings.poll_interval,
-                    refs,
-                    settings.relay_wait,
-                    None if held is None else held.release,
-                ),
-                fresh=False,
+                self.direct.send(channel.pool, channel.streams, calls, packed, refs, options), fresh=False
             )
         except (KeyboardInterrupt, asyncio.CancelledError):
             failures.abandon_calls(calls, "interrupted")
@@ -361,7 +345,7 @@ class GroupTransport:
         ]
         try:
             packed = [serialization.dumps(None)] * len(calls)
-            await self.direct.send(ranks.client.rpc, driver.streams, calls, packed, 0.0, False)
+            await self.direct.send(ranks.client.rpc, driver.streams, calls, packed, None, SendOptions())
         except Exception as exc:  # noqa: BLE001 - best effort, nobody waits on it
             logger.info("group %s: releasing the dropped group's ranks failed: %s", ranks.name, exc)
         else:

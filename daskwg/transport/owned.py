@@ -322,7 +322,9 @@ class Owned:
                 # interrupted): the rank's worker is told; dropping is not cancelling.
                 self._settle(rec, CANCELLED)
                 rec.state.told = asyncio.ensure_future(  # fut.cancel() waits for the answer
-                    self._tell(rec.address, "daskwg_cancel", session=rec.call.session, seqs=[rec.call.seq])
+                    self._tell(
+                        rec.address, wire.Handler.CANCEL, session=rec.call.session, seqs=[rec.call.seq]
+                    )
                 )
             return  # settled by the reply: the result is dropped where it is
         if not rec.registering:
@@ -382,7 +384,9 @@ class Owned:
 
     async def _publish(self, address: str, records: list[OwnedResult]) -> dict[str, int]:
         try:  # the results into the worker's Dask data: {key: bytes} of those it had
-            return await self.client.rpc(address).daskwg_publish(keys=[r.key for r in records])
+            return await getattr(self.client.rpc(address), wire.Handler.PUBLISH)(
+                keys=[r.key for r in records]
+            )
         except Exception as exc:  # noqa: BLE001 - the worker is gone: reading them says so
             logger.debug("publishing %d results on %s failed: %s", len(records), address, exc)
             return {}
@@ -561,7 +565,7 @@ class Owned:
         if held:
             return value
         call = rec.call
-        message = wire.fetch_message(key, call.session, call.seq, f"{call.group_name}.{call.method}")
+        message = wire.FetchMessage(key, call.session, call.seq, f"{call.group_name}.{call.method}").to_wire()
         try:
             reply, buffers = await streams.request(rec.address, call.worker_id, message, [])
         except (OSError, CommClosedError) as exc:
@@ -575,8 +579,8 @@ class Owned:
                 f"({reason or f'reading it failed: {exc}'})",
                 call.group_name,
             ) from None
-        _, _, status, _, error, header, _ = reply
-        if status != "OK":
-            raise pickle.loads(error)
+        answer = wire.Reply.from_wire(reply)
+        if answer.status != "OK":
+            raise pickle.loads(answer.error)
         # The buffers were received into memory of this process's own: used in place.
-        return serialization.loads(serialization.Packed(header, buffers))
+        return serialization.loads(serialization.Packed(answer.header, buffers))

@@ -3,7 +3,7 @@
 :class:`PlanPath` numbers every call of the replay in one go (so each worker's calls have
 consecutive sequence numbers, and no other thread's call comes between them), groups the
 calls by worker process, packs each worker's arguments once and writes one
-:func:`daskwg.wire.messages.plan_message` on that worker's call stream. The calls whose results the
+:class:`daskwg.wire.messages.PlanMessage` on that worker's call stream. The calls whose results the
 driver sees get :class:`~daskwg.transport.owned.CallFuture`\\ s, settled from the one reply:
 with the submit path's errors (a rank that raised gives its ``RankError``, a stream that
 closed a ``WorkerLostError``), so waiting on them is waiting on ordinary non-blocking calls.
@@ -134,7 +134,7 @@ class PlanPath:
                         driver.inflight.add(server_id, futures[i])
                     wire_entries.append((call.to_wire(), keys[i], e.result, uses[j], e.blocking))
                 packed = _pack(payloads, [entries[i].method for i in indices])
-                message = wire.plan_message(wire_entries, packed.header, settings.inline_results)
+                message = wire.PlanMessage(wire_entries, packed.header, settings.inline_results).to_wire()
                 batches.append((address, server_id, indices, message, packed))
             big = any(p.nbytes > settings.scatter_above for *_, p in batches)
             batches = [
@@ -179,7 +179,7 @@ class PlanPath:
         async def one(future: Any) -> int:
             rec = owned.records[future.key]
             response = await asyncio.wait_for(
-                client.rpc(rec.address).daskwg_part_info(
+                getattr(client.rpc(rec.address), wire.Handler.PART_INFO)(
                     key=future.key, session=rec.call.session, seq=rec.call.seq
                 ),
                 timeout,
@@ -244,7 +244,7 @@ class PlanPath:
             return
         replay, owned = batch.replay, self.driver.owned
         self.driver.sequencer.note_finished(batch.server_id, replay.calls[batch.indices[-1]].seq)
-        records = pickle.loads(reply[5])
+        records = pickle.loads(wire.Reply.from_wire(reply).header)
         start, failed = 0, []
         for i, (status, nbytes, error, header, count) in zip(batch.indices, records):
             result_buffers, start = buffers[start : start + count], start + count

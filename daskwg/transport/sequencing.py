@@ -42,7 +42,7 @@ from distributed import Client
 
 from ..config import Settings
 from ..errors import GroupBrokenError
-from ..wire.messages import concurrency_group_of, group_session, session_id
+from ..wire.messages import Handler, concurrency_group_of, group_session, session_id
 from .failure.calls import AbandonedCall, StuckCall
 from .failure.forensics import describe_running, query_status, running_on
 from .failure.health import WorkerHealth
@@ -178,7 +178,7 @@ class Sequencer:
         while self.client.status in ("running", "connecting") and server_id not in self.health.lost:
             try:
                 # Dask's rpc: a connect timeout (distributed.comm.timeouts.connect) bounds it.
-                await self.client.rpc(address).daskwg_skip(session=session, seqs=seqs)
+                await getattr(self.client.rpc(address), Handler.SKIP)(session=session, seqs=seqs)
                 return
             except Exception:  # noqa: BLE001 - not answering now; gone (then nothing waits there)
                 if time.monotonic() + delay > give_up_at:

@@ -32,6 +32,7 @@ from ..config import Settings
 from ..wire import local_link, memfiles
 from ..wire.frames import FrameStream
 from ..wire.memfiles import same_host
+from ..wire.messages import Handler
 
 __all__ = ["CallStreams", "StreamClosed"]
 
@@ -81,7 +82,7 @@ class _Stream:
             comm = await connect(self.address, **self.connection_args)
         comm.name = "daskwg call stream"
         probe = _probe(comm)
-        await comm.write({"op": "daskwg_stream", "reply": False, "files": probe})
+        await comm.write({"op": Handler.STREAM, "reply": False, "files": probe})
         frames = FrameStream(comm)
         if probe is not None:
             timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")

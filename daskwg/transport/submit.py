@@ -80,7 +80,7 @@ class SubmitPath:
                 driver.inflight.add(ranks.slots[call.rank].server_id, future)
                 futures.append(future)
                 buffers = payload.buffers if big else [bytes(b) for b in payload.buffers]
-                message = wire.call_message(
+                message = wire.CallMessage(
                     call,
                     payload.header,
                     key,
@@ -88,7 +88,7 @@ class SubmitPath:
                     settings.relay_wait,
                     pickle.dumps(call_refs) if call_refs else None,
                 )
-                messages.append((message, buffers))
+                messages.append((key, message.to_wire(), buffers))
             # Wait until the messages are written when they are large (they are not copied)
             # or when a stream must be opened first: a driver that closes its client right
             # after queuing calls (a script's last lines) would otherwise stop the client's
@@ -115,14 +115,15 @@ class SubmitPath:
         return futures
 
     def _send_now(self, calls: list[Call], messages: list) -> tuple[list[Call], list]:
-        """Write what the streams take at once (``CallStreams.send_now``); returns the rest."""
+        """Write what the streams take at once (``CallStreams.send_now``); returns the rest.
+        ``messages``: per call ``(key, message, buffers)``, as :meth:`submit` makes them."""
         streams, address = self.ranks.driver.streams, self.ranks.address
         rest: tuple[list[Call], list] = ([], [])
-        for call, (message, buffers) in zip(calls, messages):
-            reply = functools.partial(self._reply, call, message[4])
+        for call, (key, message, buffers) in zip(calls, messages):
+            reply = functools.partial(self._reply, call, key)
             if not streams.send_now(address(call.rank), call.worker_id, message, buffers, reply):
                 rest[0].append(call)
-                rest[1].append((message, buffers))
+                rest[1].append((key, message, buffers))
         return rest
 
     def _send_all(self, calls: list[Call], messages: list, written: threading.Event | None) -> None:
@@ -133,12 +134,11 @@ class SubmitPath:
             if remaining[0] == 0 and written is not None:
                 written.set()
 
-        for call, (message, buffers) in zip(calls, messages):
-            asyncio.ensure_future(self._one(call, message, buffers, one_written))
+        for call, (key, message, buffers) in zip(calls, messages):
+            asyncio.ensure_future(self._one(call, key, message, buffers, one_written))
 
-    async def _one(self, call: Call, message: tuple, buffers: list, written: Any) -> None:
+    async def _one(self, call: Call, key: str, message: tuple, buffers: list, written: Any) -> None:
         driver, address = self.ranks.driver, self.ranks.address(call.rank)
-        key = message[4]
         try:
             await driver.streams.send(
                 address, call.worker_id, message, buffers, functools.partial(self._reply, call, key)
@@ -157,15 +157,16 @@ class SubmitPath:
         self.ranks.driver.sequencer.note_finished(
             self.ranks.slots[call.rank].server_id, call.seq, call.session
         )
-        _, _, status, nbytes, error, header, info = reply
-        if status == "OK":
-            inline = None if header is None else serialization.Packed(header, buffers)
-            owned.finished(key, nbytes, inline, None if info is None else _part_info(info))
-        elif status == "cancelled":
+        answer = wire.Reply.from_wire(reply)
+        if answer.status == "OK":
+            inline = None if answer.header is None else serialization.Packed(answer.header, buffers)
+            info = None if answer.info is None else _part_info(answer.info)
+            owned.finished(key, answer.nbytes, inline, info)
+        elif answer.status == "cancelled":
             owned.cancelled(key)
         else:
             try:
-                exc = pickle.loads(error)
+                exc = pickle.loads(answer.error)
             except TRANSFER_ERRORS as unpickling:
                 exc = transfer_error(call.rank, self.ranks.address(call.rank), call.method, unpickling)
             asyncio.ensure_future(self._failed(call, key, exc))
@@ -178,9 +179,8 @@ class SubmitPath:
 
     async def _skip(self, call: Call) -> None:
         try:
-            await self.ranks.client.rpc(self.ranks.address(call.rank)).daskwg_skip(
-                session=call.session, seqs=[call.seq]
-            )
+            rpc = self.ranks.client.rpc(self.ranks.address(call.rank))
+            await getattr(rpc, wire.Handler.SKIP)(session=call.session, seqs=[call.seq])
         except Exception:  # noqa: BLE001 - the worker may be gone; nothing waits there then
             pass
 

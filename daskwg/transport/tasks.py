@@ -184,7 +184,7 @@ class TaskPath:
         if status == "cancelled":
             # Future.cancel() / client.cancel(): Dask lets go of the task but cannot stop
             # the rank; tell the worker (a queued call is skipped, an async one interrupted).
-            loop.add_callback(self._send, "daskwg_cancel", address, session, [seq])
+            loop.add_callback(self._send, wire.Handler.CANCEL, address, session, [seq])
             return
         # Also after a RankError: it may be the error of a call this one depended on (a
         # DataProtoFuture's producer), in which case this call never reached its rank.

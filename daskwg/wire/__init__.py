@@ -3,8 +3,9 @@
 Both the driver side (``daskwg.transport``) and the worker side (``daskwg.plugin``)
 import this package; it imports nothing of daskwg's above ``errors`` and ``config``.
 
-* ``messages``: the records that travel (the call, lazy arguments, parts, status records),
-  the handler names, the task-key format and the wire format version.
+* ``messages``: the records that travel (the call, lazy arguments, parts, status records,
+  the call streams' messages and replies), the handler names (``Handler``), the task-key
+  format and the wire format version.
 * ``frames``: one call stream's framing over a Dask comm (``FrameStream``).
 * ``memfiles``: shared-memory files for large buffers between processes of one host.
 * ``local_link``: Unix-domain sockets between a driver and workers of its host.

@@ -39,6 +39,8 @@ from distributed.comm.tcp import MAX_BUFFER_SIZE, TCP
 from tornado.iostream import IOStream
 from tornado.netutil import add_accept_handler
 
+from .messages import Handler
+
 __all__ = ["connect", "is_local", "listen", "socket_name"]
 
 logger = logging.getLogger(__name__)
@@ -168,7 +170,7 @@ async def _serve_one(comm: Any, serve: Callable[[Any, dict | None], Awaitable[An
     timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
     try:
         opening = await asyncio.wait_for(comm.read(), timeout)
-        if not isinstance(opening, dict) or opening.get("op") != "daskwg_stream":
+        if not isinstance(opening, dict) or opening.get("op") != Handler.STREAM:
             raise OSError(f"not a call stream's opening: {opening!r:.80}")
         await serve(comm, opening.get("files"))
     except Exception as exc:  # noqa: BLE001 - a broken or foreign connection: closed, nothing else

@@ -4,6 +4,11 @@ The driver side (``daskwg.transport``) sends what is defined here and the worker
 (``daskwg.plugin``) receives it; neither imports the other, both stand on this module.
 Everything a Dask task carries is plain Python data (tuples, strings, bytes): the
 scheduler unpickles every task it is given and must not need torch or daskwg for it.
+
+A call stream's messages and replies are records here (:class:`CallMessage`,
+:class:`PlanMessage`, :class:`FetchMessage`, :class:`FreeMessage`, :class:`Reply`), each
+with one ``to_wire()`` (a plain tuple: its kind, the stream's id, then the fields) and one
+``from_wire()``; comm handlers are named by :class:`Handler`'s constants on both ends.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from ..errors import VersionMismatchError
 
@@ -19,6 +24,7 @@ __all__ = [
     "WIRE_FORMAT",
     "PLUGIN_NAME",
     "RANK_ENV_KEYS",
+    "Handler",
     "HANDLERS",
     "RUN_CALL",
     "PART_INFO",
@@ -41,10 +47,11 @@ __all__ = [
     "group_session",
     "concurrency_group_of",
     "check_format",
-    "call_message",
-    "plan_message",
-    "fetch_message",
-    "reply_message",
+    "CallMessage",
+    "PlanMessage",
+    "FetchMessage",
+    "FreeMessage",
+    "Reply",
 ]
 
 #: The version of what crosses between the driver and the workers (the records and names
@@ -59,36 +66,60 @@ PLUGIN_NAME = "daskwg"
 #: Environment variables daskwg owns on every rank; ``worker_env`` may not set them.
 RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-#: The comm handlers the host plugin installs on every worker, and what each answers:
-#: ``daskwg_call`` runs a call (the direct path); ``daskwg_skip`` gives up calls' places
-#: in the order; ``daskwg_cancel`` cancels calls; ``daskwg_reserve_port`` reserves a
-#: ``MASTER_PORT``; ``daskwg_release`` destroys a departed driver's ranks;
-#: ``daskwg_memory`` the worker's memory figures; ``daskwg_progress`` the last finished
-#: call of a driver; ``daskwg_status`` the status records; ``daskwg_metrics`` the call
-#: counters; ``daskwg_rows`` rows of a stored ``DataProtoFuture`` part; ``daskwg_write_rows``
-#: writes such rows into a consumer's shared-memory file; ``daskwg_fetch``
-#: a stored result (waiting for it); ``daskwg_part_info`` a stored part's :class:`PartInfo`;
-#: ``daskwg_free`` drops stored results the driver let go of; ``daskwg_relay`` streams a
-#: stored or relayed result to the next consumer of a broadcast; ``daskwg_stream`` opens a
-#: driver's call stream (non-blocking calls and their replies on one comm).
-HANDLERS = (
-    "daskwg_call",
-    "daskwg_skip",
-    "daskwg_cancel",
-    "daskwg_reserve_port",
-    "daskwg_release",
-    "daskwg_memory",
-    "daskwg_progress",
-    "daskwg_status",
-    "daskwg_metrics",
-    "daskwg_rows",
-    "daskwg_write_rows",
-    "daskwg_fetch",
-    "daskwg_part_info",
-    "daskwg_free",
-    "daskwg_relay",
-    "daskwg_stream",
-)
+
+class Handler:
+    """The names of the comm handlers (Dask's ``op``\\ s) the host plugin and its parts
+    install on every worker (``worker.handlers[...]``), and under which the driver, the
+    scheduler and other workers reach them (``{"op": name, ...}`` on a comm, or Dask's
+    ``rpc(address).<name>(...)``, written ``getattr(rpc(address), name)(...)``).
+
+    Plain ``str`` class attributes, not an ``Enum``: they go into Dask's msgpack messages
+    as they are. Every one is in :data:`HANDLERS`; each is defined once, here, and never
+    typed by hand elsewhere (``tests/test_architecture.py`` checks both).
+    """
+
+    #: A driver's call stream (``daskwg.plugin.stream``): blocking and non-blocking calls,
+    #: step plans, fetches and frees, with their replies, on one comm.
+    STREAM: Final = "daskwg_stream"
+    #: Gives up calls' places in a driver's order (``session``, ``seqs``): they never come.
+    SKIP: Final = "daskwg_skip"
+    #: Cancels calls (``session``, ``seqs``); answers per call what became of it.
+    CANCEL: Final = "daskwg_cancel"
+    #: Reserves a ``MASTER_PORT`` on the worker's host (``port``, or ``None``: any free one).
+    RESERVE_PORT: Final = "daskwg_reserve_port"
+    #: Destroys a departed driver's non-detached ranks (``client``; the scheduler sends it).
+    RELEASE: Final = "daskwg_release"
+    #: The worker's memory figures (``memory``, ``memory_limit``, ``pause``).
+    MEMORY: Final = "daskwg_memory"
+    #: The last finished call of a driver ``session`` (its sequence number, or -1).
+    PROGRESS: Final = "daskwg_progress"
+    #: The status records (:func:`status_record`) of the ranks and queued calls hosted there.
+    STATUS: Final = "daskwg_status"
+    #: The hosted calls' counters (for the scheduler's ``/metrics``).
+    METRICS: Final = "daskwg_metrics"
+    #: Rows of a stored ``DataProtoFuture`` part (``daskwg.plugin.rows``).
+    ROWS: Final = "daskwg_rows"
+    #: Writes such rows into a consumer's shared-memory file (``daskwg.plugin.gathered``).
+    WRITE_ROWS: Final = "daskwg_write_rows"
+    #: A stored result, waiting for it to exist (``daskwg.plugin.results``).
+    FETCH: Final = "daskwg_fetch"
+    #: A stored part's :class:`PartInfo`.
+    PART_INFO: Final = "daskwg_part_info"
+    #: Drops stored results the driver let go of.
+    FREE: Final = "daskwg_free"
+    #: Tells the scheduler of stored results (their keys become Dask keys there).
+    PUBLISH: Final = "daskwg_publish"
+    #: Streams a stored or relayed result to the next consumer of a broadcast
+    #: (``daskwg.plugin.relay``).
+    RELAY: Final = "daskwg_relay"
+    #: A stored result through a shared-memory file, for a consumer on the same host
+    #: (``daskwg.plugin.shared``).
+    SHARED: Final = "daskwg_shared"
+
+
+#: Every :class:`Handler` name: what the worker side installs, and all the driver side,
+#: the scheduler and other workers may send.
+HANDLERS: tuple[str, ...] = tuple(v for k, v in vars(Handler).items() if k.isupper())
 
 #: ``"module:function"`` the task of a task-path call runs on the worker (``_daskwg_task.run``
 #: imports it there by name, so the driver side never imports the worker side).
@@ -159,6 +190,11 @@ class Call:
             self.worker_id,
             self.concurrency_group,
         )
+
+    @classmethod
+    def from_wire(cls, fields: tuple | list) -> Call:
+        """The call :meth:`to_wire` gave ``fields`` of."""
+        return cls(*fields)
 
 
 @dataclass(frozen=True)
@@ -290,18 +326,51 @@ class ResultRef:
     info: PartInfo | None = field(default=None, compare=False)
 
 
-def call_message(
-    call: Call, header: bytes, key: str | None, inline: int, relay_wait: float, refs: bytes | None
-) -> tuple:
-    """One call on a call stream (``daskwg.wire.frames``), the arguments' buffers beside it:
-    ``("call", id, call fields, arguments' pickle header, key, inline, relay_wait, refs)``.
+@dataclass(frozen=True, slots=True)
+class CallMessage:
+    """One call on a call stream (``daskwg.wire.frames``), the arguments' buffers beside it.
 
-    ``key``: where a non-blocking call's result stays (``None``: a blocking call, whose
-    reply carries the result); ``inline``: bytes up to which a kept result comes back too;
-    ``relay_wait``: ``daskwg.relay-wait``; ``refs``: the pickled ``(kind, values)`` of each
-    ``LazyArg`` (``None``: none). The id is the stream's to set.
+    On the wire (:meth:`to_wire`): ``("call", cid, call fields, header, key, inline,
+    relay_wait, refs)``, a plain tuple (no dict to build or read per call).
+
+    Attributes:
+        call: the :class:`Call`.
+        header: the arguments' pickle header (``daskwg.serialization.pickling.dumps``).
+        key: where a non-blocking call's result stays (``None``: a blocking call, whose
+            reply carries the result).
+        inline: bytes up to which a kept result comes back too.
+        relay_wait: ``daskwg.relay-wait`` (seconds), for relayed inputs.
+        refs: the pickled ``(kind, values)`` of each ``LazyArg`` (``None``: none).
+        cid: the call's id on its stream: ``0`` as the driver builds it, the stream's own
+            as the worker reads it (``daskwg.transport.streams`` sets it as it writes).
     """
-    return ("call", 0, call.to_wire(), header, key, inline, relay_wait, refs)
+
+    call: Call
+    header: bytes
+    key: str | None = None
+    inline: int = 0
+    relay_wait: float = 10.0
+    refs: bytes | None = None
+    cid: int = 0
+
+    def to_wire(self) -> tuple:
+        """The message as the stream carries it; :meth:`from_wire` reads it back."""
+        return (
+            "call",
+            self.cid,
+            self.call.to_wire(),
+            self.header,
+            self.key,
+            self.inline,
+            self.relay_wait,
+            self.refs,
+        )
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> CallMessage:
+        """The record of a ``("call", ...)`` message (:meth:`to_wire`)."""
+        _, cid, call, header, key, inline, relay_wait, refs = message
+        return cls(Call.from_wire(call), header, key, inline, relay_wait, refs, cid)
 
 
 @dataclass(frozen=True)
@@ -320,47 +389,130 @@ class Slot:
     rows: int = 0
 
 
-def plan_message(entries: list[tuple], header: bytes, inline: int) -> tuple:
+@dataclass(frozen=True, slots=True)
+class PlanMessage:
     """One replay of a step plan on one worker, on its call stream, the arguments' buffers
-    beside it: ``("plan", id, entries, arguments' pickle header, inline)``.
+    beside it. On the wire (:meth:`to_wire`): ``("plan", cid, entries, header, inline)``.
 
-    ``entries``: per call, in the driver's order, ``(call fields, key, result, uses, stop)``:
-    ``key`` the call's future (``None``: none), ``result`` ``"keep"`` (it stays on the worker
-    under ``key``; up to ``inline`` bytes, tensors included, it comes back too: the step's
-    outputs are what the replay returns), ``"return"`` (it comes back with the reply) or ``"none"``, ``uses`` how
-    many later calls of the message read it (:class:`Slot`), ``stop`` whether the message's
-    later calls are not run if this one fails (a blocking method's); the
-    arguments: the pickled list of every call's ``(args, kwargs)``. The reply's header is the
-    pickled list of per call ``(status, nbytes, error, result header, result buffer count)``,
-    the results' buffers beside it, in order. The id is the stream's to set.
+    Attributes:
+        entries: per call, in the driver's order, ``(call fields, key, result, uses, stop)``:
+            ``key`` the call's future (``None``: none), ``result`` ``"keep"`` (it stays on the
+            worker under ``key``; up to ``inline`` bytes, tensors included, it comes back too:
+            the step's outputs are what the replay returns), ``"return"`` (it comes back with
+            the reply) or ``"none"``, ``uses`` how many later calls of the message read it
+            (:class:`Slot`), ``stop`` whether the message's later calls are not run if this
+            one fails (a blocking method's).
+        header: the pickle header of the list of every call's ``(args, kwargs)``.
+        inline: see ``entries``.
+        cid: the stream's id of the message (see :class:`CallMessage`).
+
+    Its :class:`Reply` has ``status`` ``"plan"`` and as ``header`` the pickled list of per
+    call ``(status, nbytes, error, result header, result buffer count)``, the results'
+    buffers beside it, in order.
     """
-    return ("plan", 0, entries, header, inline)
+
+    entries: list[tuple]
+    header: bytes
+    inline: int
+    cid: int = 0
+
+    def to_wire(self) -> tuple:
+        """The message as the stream carries it; :meth:`from_wire` reads it back."""
+        return ("plan", self.cid, self.entries, self.header, self.inline)
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> PlanMessage:
+        """The record of a ``("plan", ...)`` message (:meth:`to_wire`)."""
+        _, cid, entries, header, inline = message
+        return cls(entries, header, inline, cid)
 
 
-def fetch_message(key: str, session: str, seq: int, source: str) -> tuple:
-    """A driver's request, on a call stream, for the value of a kept result:
-    ``("fetch", id, key, session, seq, source)`` (call ``seq`` of driver ``session`` makes
-    it; ``source`` names that call in errors). Its :func:`reply_message` carries the value's
-    pickle header and buffers (``"OK"``), or the pickled error (``"error"``). The id is the
-    stream's to set."""
-    return ("fetch", 0, key, session, seq, source)
+@dataclass(frozen=True, slots=True)
+class FetchMessage:
+    """A driver's request, on a call stream, for the value of a kept result. On the wire
+    (:meth:`to_wire`): ``("fetch", cid, key, session, seq, source)``. Its :class:`Reply`
+    carries the value's pickle header and buffers (``"OK"``), or the pickled error
+    (``"error"``).
+
+    Attributes:
+        key: the result's key.
+        session: the driver session of the call that makes it, with ``seq`` its place there.
+        seq: see ``session``.
+        source: that call, e.g. ``"gen.generate"``, named in errors.
+        cid: the stream's id of the message (see :class:`CallMessage`).
+    """
+
+    key: str
+    session: str
+    seq: int
+    source: str
+    cid: int = 0
+
+    def to_wire(self) -> tuple:
+        """The message as the stream carries it; :meth:`from_wire` reads it back."""
+        return ("fetch", self.cid, self.key, self.session, self.seq, self.source)
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> FetchMessage:
+        """The record of a ``("fetch", ...)`` message (:meth:`to_wire`)."""
+        _, cid, key, session, seq, source = message
+        return cls(key, session, seq, source, cid)
 
 
-def reply_message(
-    cid: int,
-    status: str,
-    nbytes: int | None,
-    error: bytes | None,
-    header: bytes | None,
-    info: bytes | None = None,
-) -> tuple:
-    """The reply to call ``cid`` on a call stream, the result's buffers beside it:
-    ``("reply", id, status, nbytes, error, result header, info)``: ``status`` is ``"OK"``,
-    ``"error"`` (``error``: the pickled exception) or ``"cancelled"``; ``nbytes`` the kept
-    result's size; ``header``: the result's pickle header when the result comes with it;
-    ``info``: a kept batch's pickled :class:`PartInfo` (``None``: not a batch, or it came
-    back itself)."""
-    return ("reply", cid, status, nbytes, error, header, info)
+@dataclass(frozen=True, slots=True)
+class FreeMessage:
+    """A driver's word, on a call stream, that it let go of kept results before the
+    scheduler heard of them: the worker drops them. On the wire: ``("free", 0, keys)``;
+    it has no reply.
+
+    Attributes:
+        keys: the results' keys.
+    """
+
+    keys: list[str]
+
+    def to_wire(self) -> tuple:
+        """The message as the stream carries it; :meth:`from_wire` reads it back."""
+        return ("free", 0, self.keys)
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> FreeMessage:
+        """The record of a ``("free", ...)`` message (:meth:`to_wire`)."""
+        return cls(list(message[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to message ``cid`` on a call stream, the result's buffers beside it. On
+    the wire (:meth:`to_wire`): ``("reply", cid, status, nbytes, error, header, info)``.
+
+    Attributes:
+        cid: the answered message's id on the stream.
+        status: ``"OK"``, ``"error"`` (``error``: the pickled exception), ``"cancelled"``,
+            or ``"plan"`` for a :class:`PlanMessage`'s.
+        nbytes: the kept result's size in bytes (``None``: not known).
+        error: the pickled exception of a failed call.
+        header: the result's pickle header when the result comes with the reply.
+        info: a kept batch's pickled :class:`PartInfo` (``None``: not a batch, or it came
+            back itself).
+    """
+
+    cid: int
+    status: str
+    nbytes: int | None = None
+    error: bytes | None = None
+    header: bytes | None = None
+    info: bytes | None = None
+
+    def to_wire(self) -> tuple:
+        """The reply as the stream carries it; :meth:`from_wire` reads it back."""
+        return ("reply", self.cid, self.status, self.nbytes, self.error, self.header, self.info)
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> Reply:
+        """The record of a ``("reply", ...)`` message (:meth:`to_wire`)."""
+        _, cid, status, nbytes, error, header, info = message
+        return cls(cid, status, nbytes, error, header, info)
 
 
 def task_key(group_name: str, method: str, call_number: int, rank: int, group_id: str) -> str:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ...wire.messages import client_of
+from ...wire.messages import Handler, client_of
 
 __all__ = [
     "query_status",
@@ -46,7 +46,7 @@ async def query_status(rpc: Callable[[str], Any], addresses: Iterable[str], time
 
     async def one(address: str) -> Any:
         try:
-            return await asyncio.wait_for(rpc(address).daskwg_status(), timeout)
+            return await asyncio.wait_for(getattr(rpc(address), Handler.STATUS)(), timeout)
         except (asyncio.TimeoutError, TimeoutError):
             return UNRESPONSIVE
         except Exception:  # noqa: BLE001 - refused or closed: the process is gone

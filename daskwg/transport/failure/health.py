@@ -40,6 +40,7 @@ from dask.utils import format_bytes
 
 from ...config import Settings
 from ...errors import WorkerLostError, WorkerPausedError
+from ...wire.messages import Handler
 from . import losses
 
 if TYPE_CHECKING:
@@ -304,7 +305,7 @@ class WorkerHealth:
 
     async def _memory_figures(self, address: str) -> dict:
         try:
-            return await asyncio.wait_for(self.client.rpc(address).daskwg_memory(), 10)
+            return await asyncio.wait_for(getattr(self.client.rpc(address), Handler.MEMORY)(), 10)
         except Exception:  # noqa: BLE001 - the message then goes without the figures
             return {}
 

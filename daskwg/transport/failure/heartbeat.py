@@ -33,6 +33,7 @@ from typing import Any
 from distributed.comm import connect
 from distributed.comm.addressing import parse_address, parse_host_port
 
+from ...wire.messages import Handler
 from ..driver import Driver
 
 __all__ = ["Heartbeats", "keep_alive", "unreachable_error"]
@@ -195,7 +196,7 @@ class Heartbeats:
             for session, seqs in by_session.items():
                 # Calls that never arrived would hold every later call of their session.
                 await comm.write(
-                    {"op": "daskwg_skip", "session": session, "seqs": sorted(seqs), "reply": True}
+                    {"op": Handler.SKIP, "session": session, "seqs": sorted(seqs), "reply": True}
                 )
                 await comm.read()
         except (OSError, asyncio.TimeoutError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import GroupBrokenError, RankError, WorkerGroupError, WorkerLostError
-from ...wire.messages import Call
+from ...wire.messages import Call, Handler
 from ..driver import AbandonedCall, Driver, GroupRanks, StuckCall
 
 __all__ = ["CallWatch", "FailureState", "Unsettled", "TRANSFER_ERRORS", "transfer_error"]
@@ -66,7 +66,7 @@ class CallWatch:
 
     async def _poll(self, driver: Driver, address: str, seq: int, interval: float, session: str) -> None:
         try:
-            while await driver.client.rpc(address).daskwg_progress(session=session) < seq:
+            while await getattr(driver.client.rpc(address), Handler.PROGRESS)(session=session) < seq:
                 await asyncio.sleep(interval)
                 interval = min(interval * 1.5, 1.0)  # a stuck collective may take minutes
         except Exception:  # noqa: BLE001 - a worker that is gone runs nothing any more
