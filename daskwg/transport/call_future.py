@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import Any
 
 from distributed import Future
@@ -18,6 +19,9 @@ from ..errors import CallCancelledError
 from ..futures.future import cancel_futures
 
 __all__ = ["CallFuture", "OwnedState", "CancelledCall"]
+
+#: Seconds a future named in a Dask graph keeps asking for its key's registration.
+REGISTER_RETRY_S = 10.0
 
 
 class CancelledCall(CallCancelledError, FutureCancelledError):
@@ -127,12 +131,18 @@ class CallFuture(Future):
 
     def _known_to_scheduler(self) -> None:
         state = self._state
-        if (
-            isinstance(state, OwnedState)
-            and not state.owned.on_loop()
-            and state.owned.unknown_to_scheduler(self.key)
-        ):
-            dask_wait([self])
+        if not isinstance(state, OwnedState) or state.owned.on_loop():
+            return
+        owned = state.owned
+        if not owned.unknown_to_scheduler(self.key):
+            return
+        dask_wait([self])
+        # A registration that failed (a worker or the scheduler busy, a comm error) leaves
+        # the future finished but unknown to the scheduler: ask again, for a bounded time.
+        end = time.monotonic() + REGISTER_RETRY_S
+        while self.status == "finished" and owned.unknown_to_scheduler(self.key) and time.monotonic() < end:
+            self.client.loop.add_callback(owned.demand, self.key)
+            time.sleep(0.05)
 
     def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> None:
         """Dask's ``Future.cancel``, returning once the rank's worker has taken the call off
