@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,6 +47,7 @@ from typing import Any
 import dask.config
 from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..config import Settings
@@ -104,6 +106,7 @@ class HostPlugin(WorkerPlugin):
         # Under every rank's own variables: worker_env and the process's environment win.
         self._socket_env = socket_ifname_env(get_address_host(self.address), os.environ)
         _allow_child_processes()
+        _quiet_closing_heartbeat(worker)
         self._reserved_ports: set[int] = set()
         # What the host thread is doing, for daskwg_status (the driver's wg.status(),
         # deadline reports, the dashboard) and daskwg_cancel.
@@ -494,6 +497,38 @@ class HostPlugin(WorkerPlugin):
             del payload, args, kwargs
             return getattr(box, "pack", snapshot)(result, call, ())  # a step plan's hand-off
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
+
+
+class _ClosingHeartbeatFilter(logging.Filter):
+    """Drops Dask's "Failed to communicate with scheduler during heartbeat." ERROR (with its
+    ``CommClosedError`` traceback) of a worker that is closing.
+
+    ``Worker.close`` stops its heartbeat only after its plugins' teardowns, and then closes its
+    connection pool, which aborts a heartbeat still waiting for the scheduler's answer; the
+    heartbeat logs that as an error (``distributed.worker.Worker.heartbeat``), and a cluster's
+    clean close prints it now and then, one traceback per worker. A heartbeat that fails
+    while the worker runs is logged as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: weakref.WeakSet = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Failed to communicate with scheduler during heartbeat"):
+            return True
+        return not any(w.status in _CLOSING for w in list(self.workers))
+
+
+_CLOSING = {Status.closing, Status.closing_gracefully, Status.closed}
+_heartbeat_filter = _ClosingHeartbeatFilter()
+
+
+def _quiet_closing_heartbeat(worker: Any) -> None:
+    """Install :class:`_ClosingHeartbeatFilter` for ``worker`` (once per process)."""
+    dask_logger = logging.getLogger(dask_worker.__name__)
+    if _heartbeat_filter not in dask_logger.filters:
+        dask_logger.addFilter(_heartbeat_filter)
+    _heartbeat_filter.workers.add(worker)
 
 
 def _bind_worker(worker: Any) -> None:
