@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import busy_factor
 
 ROOT = Path(__file__).resolve().parents[1]
