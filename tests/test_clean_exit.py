@@ -147,3 +147,24 @@ def test_importing_verl_first_leaves_a_local_cluster_silent(tmp_path):
     # the one of each worker's start that daskwg's preload comes too late to hold back.
     info = [line for line in run.stderr.splitlines() if "INFO" in line and "Creating preload" not in line]
     assert info == []
+
+
+def test_a_timeout_under_the_thread_method_names_its_test_before_the_thread_dump(tmp_path):
+    """pytest-timeout's ``thread`` method writes its stack dump under a bare "Timeout" title
+    and ends the process before any report: the suite's plugin (tests/timeout_report.py)
+    writes the test's id first."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\ndef test_fast():\n    pass\ndef test_sleeps_past_its_timeout():\n    time.sleep(30)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "timeout_report"]
+        + ["--timeout", "2", "--timeout-method", "thread"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    named = run.stdout.find("Timeout >2s in test_slow.py::test_sleeps_past_its_timeout")
+    assert named != -1, run.stdout
+    assert named < run.stdout.find("Stack of"), run.stdout
