@@ -121,6 +121,41 @@ def test_a_future_dropped_as_the_cluster_closes_while_a_heartbeat_waits_prints_n
     assert error_lines(run.stderr) == []
 
 
+def test_local_cluster_worker_processes_end_before_their_nannies_kill_them(tmp_path):
+    """A worker process that hosted ranks ends once its close is done: before, the
+    interpreter's teardown of a process that imported torch took seconds more on a busy
+    machine, and each Nanny logged "Worker process still alive after 4.0 seconds, killing"
+    (measured here at load 3-30 on 2 cores: in most runs). The script makes that teardown
+    take 6 s in the worker processes (which import it again as they start)."""
+    run = run_script(
+        tmp_path,
+        """
+        import time
+        import torch
+        from distributed import Client
+        from daskwg import DataProto, WorkerGroup, local_cluster
+        from workers import AddWorker
+
+
+        class SlowTeardown:
+            def __del__(self):  # at the interpreter's teardown, as torch's takes on a busy machine
+                time.sleep(6.0)
+
+
+        if __name__ != "__main__":  # a worker process
+            slow = SlowTeardown()
+
+        if __name__ == "__main__":
+            with local_cluster(2, dashboard_address=":0") as cluster, Client(cluster) as client:
+                wg = WorkerGroup(client, AddWorker, world_size=2)
+                assert wg.add_rank(DataProto.from_dict({"a": torch.zeros(4)})).batch["a"].tolist() == [0, 0, 1, 1]
+            print("done")
+        """,
+    )
+    assert [line for line in run.stderr.splitlines() if "still alive" in line] == []
+    assert error_lines(run.stderr) == []
+
+
 def test_importing_verl_first_leaves_a_local_cluster_silent(tmp_path):
     """``import verl`` at the top of a driver script calls ``logging.basicConfig``; Dask then
     gives its ``distributed`` logger no handler of its own, and ``LocalCluster``'s
