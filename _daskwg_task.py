@@ -10,13 +10,17 @@ waiting for its turn on the rank holds no thread.
 
 The module is also the Dask preload (:func:`dask_setup`) of the worker processes
 ``daskwg.local_cluster()`` starts: it must not import torch either, since it runs before
-the worker registers with its scheduler.
+the worker registers with its scheduler. Imported there, it keeps Dask's INFO records
+silenced as ``LocalCluster`` means them to be, also where they would reach the root
+logger's handlers (:func:`_silence_propagated_logs`).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import multiprocessing
 import signal
 import threading
 
@@ -52,6 +56,30 @@ def dask_setup(worker) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _silence_propagated_logs(level: int = logging.WARNING) -> None:
+    """In a worker process of a local cluster: hold Dask's records under ``level``, as
+    ``LocalCluster``'s ``silence_logs`` (default ``logging.WARN``) means to, also when they
+    go to the root logger's handlers. Dask silences the ``StreamHandler`` it gives the
+    ``distributed`` logger, and gives it none when the root logger has handlers as
+    ``distributed`` is first imported: a driver script with ``import verl`` at its top
+    (``logging.basicConfig`` in ``verl/__init__.py``), which the worker processes import
+    again as they start (multiprocessing's spawn), would have every worker write some 20
+    INFO lines. Where Dask's handler is there, Dask's own silencing applies: nothing changes."""
+    logger = logging.getLogger("distributed")
+    if (
+        any(isinstance(h, logging.StreamHandler) for h in logger.handlers)
+        or logger.getEffectiveLevel() >= level
+    ):
+        return
+    logger.setLevel(level)
+
+
+# A Nanny's worker process imports its preloads as its Worker starts: before it logs
+# that it started (dask_setup runs after).
+if multiprocessing.current_process().name.startswith("Dask Worker process"):
+    _silence_propagated_logs()
 
 
 def finalize(parts, target: str, *args):

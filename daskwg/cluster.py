@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import dask.config
@@ -90,8 +91,55 @@ def _start(cls: type, kwargs: dict, user: dict) -> Any:
         if dask.config.get(key, default=None, config=user) is None
         and dask.config.get(key, default=None) == dask.config.get(key, default=None, config=shipped)
     }
-    with dask.config.set(driver_side):
-        return cls(**kwargs)
+    restore = _silence_propagated_logs(kwargs.get("silence_logs", logging.WARN))
+    try:
+        with dask.config.set(driver_side):
+            cluster = cls(**kwargs)
+    except BaseException:
+        restore()
+        raise
+    close = cluster._close
+
+    async def close_then_restore() -> Any:
+        try:
+            return await close()
+        finally:
+            restore()
+
+    cluster._close = close_then_restore
+    return cluster
+
+
+def _silence_propagated_logs(silence_logs: Any) -> Callable[[], None]:
+    """Make ``LocalCluster``'s ``silence_logs`` (default ``logging.WARN``) hold also when
+    Dask's records reach the root logger's handlers; returns what undoes it.
+
+    Dask silences an in-process cluster by raising the level of the ``StreamHandler`` it
+    gives the ``distributed`` logger (``distributed.utils.silence_logging_cmgr``). Dask
+    gives it none when the root logger has handlers as ``distributed`` is first imported
+    (``distributed.config``): then its INFO records (every server's start and stop, some
+    80 lines for two workers) go to the root's handlers, unsilenced. ``import verl`` does
+    that (``logging.basicConfig`` in ``verl/__init__.py``). The ``distributed`` logger's
+    own level is raised instead, while the cluster runs (its ``close()`` puts it back); a
+    level the program set higher, and ``silence_logs=False``, are left alone."""
+    logger = logging.getLogger("distributed")
+    if isinstance(silence_logs, str):
+        silence_logs = logging.getLevelName(silence_logs.upper())
+    if (
+        isinstance(silence_logs, bool)
+        or not isinstance(silence_logs, int)
+        or any(isinstance(h, logging.StreamHandler) for h in logger.handlers)
+        or logger.getEffectiveLevel() >= silence_logs
+    ):
+        return lambda: None
+    before = logger.level
+    logger.setLevel(silence_logs)
+
+    def restore() -> None:
+        if logger.level == silence_logs:  # unless the program set another meanwhile
+            logger.setLevel(before)
+
+    return restore
 
 
 def _with_sigint_preload(kwargs: dict) -> None:

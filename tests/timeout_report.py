@@ -4,8 +4,9 @@ its own failure report, under its name.
 pytest-timeout's ``signal`` method writes those stacks to the terminal the moment the
 alarm fires, which under ``-q`` lands between the progress dots with no test name (the
 failure report comes only at the end). This plugin keeps pytest-timeout's settings,
-markers and ``thread`` method, and replaces only where the ``signal`` method's dump goes,
-through the plugin's own hook for alternative timers (``pytest_timeout_set_timer``).
+markers and methods, and replaces only where the ``signal`` method's dump goes, and puts
+the test's id before the ``thread`` method's dump (which ends the process before any
+report), through the plugin's own hook for alternative timers (``pytest_timeout_set_timer``).
 ``timeout_func_only`` would not help: it moves when the timer starts, not where the dump
 goes, and would leave fixtures (cluster start-up) unbounded.
 """
@@ -18,7 +19,7 @@ import threading
 import traceback
 
 import pytest
-from pytest_timeout import is_debugging
+from pytest_timeout import is_debugging, timeout_timer
 
 
 def _other_threads_stacks() -> str:
@@ -32,10 +33,37 @@ def _other_threads_stacks() -> str:
     return "".join(parts)
 
 
+def _thread_timer(item, settings) -> bool:
+    """pytest-timeout's ``thread`` method (also where ``signal`` cannot be used: off the
+    main thread), with the test's id written first: that method dumps the stacks to the
+    terminal and ends the process (``os._exit``) before any report, under a bare "Timeout"
+    title, so nothing else would say which test it was."""
+
+    def on_timeout() -> None:
+        if not settings.disable_debugger_detection and is_debugging():
+            return
+        terminal = item.config.get_terminal_writer()
+        terminal.line()
+        terminal.sep("+", f"Timeout >{settings.timeout:g}s in {item.nodeid}")
+        terminal.flush()
+        timeout_timer(item, settings)
+
+    timer = threading.Timer(settings.timeout, on_timeout)
+    timer.name = f"pytest_timeout {item.nodeid}"
+
+    def cancel() -> None:
+        timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel
+    timer.start()
+    return True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
     if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
-        return None  # pytest-timeout's own timer (its thread method names the test itself)
+        return _thread_timer(item, settings)
 
     def on_timeout(signum, frame):
         __tracebackhide__ = True

@@ -34,12 +34,15 @@ and both are only ever iterated over under it or as a copy taken under it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +51,7 @@ from typing import Any
 import dask.config
 from distributed import worker as dask_worker
 from distributed.comm.addressing import get_address_host
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..config import Settings
@@ -106,6 +110,7 @@ class HostPlugin(WorkerPlugin):
         # Under every rank's own variables: worker_env and the process's environment win.
         self._socket_env = socket_ifname_env(get_address_host(self.address), os.environ)
         _allow_child_processes()
+        _quiet_closing_heartbeat(worker)
         self._reserved_ports: set[int] = set()
         # What the host thread is doing, for daskwg_status (the driver's wg.status(),
         # deadline reports, the dashboard) and daskwg_cancel.
@@ -155,6 +160,8 @@ class HostPlugin(WorkerPlugin):
         stop_listening = getattr(self, "_stop_listening", None)
         if stop_listening is not None:
             stop_listening()
+        if multiprocessing.current_process().name.startswith(_NANNY_CHILD):
+            atexit.register(_end_process)  # the last registered runs first
 
     def hosted_ranks(self) -> list[tuple[str, str, int]]:
         """``(group name, group id, rank)`` of every rank hosted here, sorted."""
@@ -536,6 +543,64 @@ class HostPlugin(WorkerPlugin):
             del payload, args, kwargs
             return getattr(box, "pack", snapshot)(result, call, ())  # a step plan's hand-off
         return snapshot(result, call, (payload[0], payload[1], args, kwargs))
+
+
+class _ClosingHeartbeatFilter(logging.Filter):
+    """Drops Dask's "Failed to communicate with scheduler during heartbeat." ERROR (with its
+    ``CommClosedError`` traceback) of a worker that is closing.
+
+    ``Worker.close`` stops its heartbeat only after its plugins' teardowns, and then closes its
+    connection pool, which aborts a heartbeat still waiting for the scheduler's answer; the
+    heartbeat logs that as an error (``distributed.worker.Worker.heartbeat``), and a cluster's
+    clean close prints it now and then, one traceback per worker. A heartbeat that fails
+    while the worker runs is logged as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: weakref.WeakSet = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Failed to communicate with scheduler during heartbeat"):
+            return True
+        return not any(w.status in _CLOSING for w in list(self.workers))
+
+
+_CLOSING = {Status.closing, Status.closing_gracefully, Status.closed}
+_heartbeat_filter = _ClosingHeartbeatFilter()
+
+
+def _quiet_closing_heartbeat(worker: Any) -> None:
+    """Install :class:`_ClosingHeartbeatFilter` for ``worker`` (once per process)."""
+    dask_logger = logging.getLogger(dask_worker.__name__)
+    if _heartbeat_filter not in dask_logger.filters:
+        dask_logger.addFilter(_heartbeat_filter)
+    _heartbeat_filter.workers.add(worker)
+
+
+#: The name a Nanny gives the worker process it starts (``distributed.nanny.WorkerProcess``).
+_NANNY_CHILD = "Dask Worker process"
+
+
+def _end_process() -> None:
+    """End a Nanny's worker process once its Python-level close is done (an ``atexit``
+    handler registered as the worker closes, so it runs before the others).
+
+    Past that point the interpreter's own teardown of a process that imported torch
+    takes 1.7-7.7 s on a loaded 2-core machine (measured: the other threads were joined
+    and every ``atexit`` handler had run within 0.4 s of the plugin's teardown), longer
+    than the 4 s a Nanny waits before it logs "Worker process still alive after 4.0
+    seconds, killing" and kills it, and a kill that then takes longer than 5 s to be
+    reaped fails the cluster's close with a ``TimeoutError``. What the skipped teardown
+    would do the kill skips too; the finalizers Python runs at exit
+    (``weakref.finalize``, e.g. temporary directories) and logging's flush run here."""
+    weakref.finalize._exitfunc()
+    logging.shutdown()
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except Exception:  # noqa: BLE001, S110 - a closed stream: nothing left to write
+            pass
+    os._exit(0)
 
 
 def _bind_worker(worker: Any) -> None:

@@ -262,9 +262,18 @@ class ResultStore:
             return {"status": "error", "exception": to_serialize(picklable(exc))}
         return {"status": "OK", "info": to_serialize(info)}
 
-    def _handle_free(self, keys: list[str]) -> None:
-        """``daskwg_free``: :meth:`free`."""
+    def _handle_free(self, keys: list[str], registered: bool = False) -> None:
+        """``daskwg_free``: :meth:`free`. ``registered``: the driver registered the keys with
+        the scheduler as its client closed, when this worker may have dropped them already
+        (:meth:`forget_session`): the scheduler is told of those no longer here too (Dask's
+        ``release-worker-data``), or it would hold them until the worker leaves, and then
+        log that it lost them."""
+        gone = [k for k in keys if k not in self.worker.data] if registered else []
         self.free(list(keys))
+        for key in gone:
+            self.worker.batched_send(
+                {"op": "release-worker-data", "key": key, "stimulus_id": f"daskwg-free-{time.time()}"}
+            )
 
 
 def _wake(waiter: asyncio.Future | None) -> None:

@@ -54,6 +54,7 @@ from typing import Any
 
 from distributed import Client
 from distributed.comm.core import CommClosedError
+from distributed.core import rpc
 
 from ..errors import GroupBrokenError, WorkerLostError
 from ..serialization import pickling as serialization
@@ -339,29 +340,48 @@ class Owned:
 
     async def _register(self) -> None:
         """Tell the scheduler where finished results are (a batch per round trip), once
-        their workers have moved them into their Dask data (``daskwg_publish``)."""
+        their workers have moved them into their Dask data (``daskwg_publish``).
+
+        ``update_data`` goes without ``client=``: a client's wish for the keys goes on its
+        own stream (``client-desires-keys``), in order with its ``close-client``. A
+        ``client=`` on the RPC could arrive after that, and the scheduler would make a record
+        of the departed client (``Scheduler.client_desires_keys``) that holds the keys until
+        the cluster closes, and then logs that it lost scattered data."""
         client = self.client
         try:
             while self._to_register:
                 batch, self._to_register = self._to_register, []
-                by_address: dict[str, list[OwnedResult]] = {}
-                for r in batch:
-                    by_address.setdefault(r.address, []).append(r)
-                published: dict[str, int] = {}  # every worker at once: one round trip
-                for answer in await asyncio.gather(*(self._publish(a, rs) for a, rs in by_address.items())):
-                    published.update(answer)
+                published: dict[str, int] = {}
+                if client.status == "running":  # a closing client's results are dropped instead
+                    by_address: dict[str, list[OwnedResult]] = {}
+                    for r in batch:
+                        by_address.setdefault(r.address, []).append(r)
+                    for answer in await asyncio.gather(
+                        *(self._publish(a, rs) for a, rs in by_address.items())
+                    ):
+                        published.update(answer)  # every worker at once: one round trip
                 if published:
                     try:
-                        await client.scheduler.update_data(
-                            who_has={k: [self.records[k].address] for k in published if k in self.records},
-                            nbytes=published,
-                            client=client.id,
-                        )
+                        # A connection of its own: the client's pool aborts its requests when
+                        # it closes, and the scheduler may then have taken one in or not; this
+                        # one always answers, so the keys are known to be registered.
+                        async with rpc(client.scheduler.address, connection_args=client.connection_args) as s:
+                            await s.update_data(
+                                who_has={
+                                    k: [self.records[k].address] for k in published if k in self.records
+                                },
+                                nbytes=published,
+                            )
                     except Exception as exc:  # noqa: BLE001 - e.g. a worker the scheduler removed
                         logger.debug(
                             "registering %d results with the scheduler failed: %s", len(published), exc
                         )
                         published = {}
+                if published and client.status != "running":
+                    # The client closed meanwhile: nobody wants them; their workers drop them
+                    # and tell the scheduler (Dask's release-worker-data).
+                    await self._drop_published(batch, published)
+                    published = {}
                 released = []
                 for r in batch:
                     with self.cond:  # against drop() on a calling thread
@@ -375,12 +395,33 @@ class Owned:
                         self.records.pop(r.key, None)
                     else:
                         self._forget(r)
-                if released and client.status == "running":
+                if published:
+                    client._send_to_scheduler(
+                        {"op": "client-desires-keys", "keys": list(published), "client": client.id}
+                    )
+                if released:
                     client._send_to_scheduler(
                         {"op": "client-releases-keys", "keys": released, "client": client.id}
                     )
         finally:
             self._registering = False
+
+    async def _drop_published(self, batch: list[OwnedResult], published: dict[str, int]) -> None:
+        """Drop the ``published`` results of ``batch`` on their workers, directly (the
+        client's call streams close with it); the workers tell the scheduler."""
+        by_address: dict[str, list[str]] = {}
+        for r in batch:
+            if r.key in published:
+                by_address.setdefault(r.address, []).append(r.key)
+
+        async def drop(address: str, keys: list[str]) -> None:
+            try:  # not the client's connection pool: it closed with the client
+                async with rpc(address, connection_args=self.client.connection_args) as worker:
+                    await getattr(worker, wire.Handler.FREE)(keys=keys, registered=True)
+            except Exception as exc:  # noqa: BLE001 - the worker is closing too: they go with it
+                logger.debug("dropping %d results on %s failed: %s", len(keys), address, exc)
+
+        await asyncio.gather(*(drop(a, ks) for a, ks in by_address.items()))
 
     async def _publish(self, address: str, records: list[OwnedResult]) -> dict[str, int]:
         try:  # the results into the worker's Dask data: {key: bytes} of those it had
