@@ -185,7 +185,11 @@ class Worker:
         new rendezvous, surviving ranks kept their objects and state, new ranks ran
         ``__init__``, and the torch default process group a surviving rank had was
         destroyed; so the usual override rebuilds it and its sub-groups, e.g.
-        ``torch.distributed.init_process_group("gloo")``. Replicated state a new rank
+        ``torch.distributed.init_process_group("gloo")``. It runs on a new rank right after
+        its ``__init__`` and on the kept ranks at the same time: where ``__init__`` already
+        joined the process group, skip that on the new ranks (``event.new_ranks``). Without
+        an override, a kept rank whose default process group was destroyed initialises it
+        again itself (same backend), meeting the new ranks' ``__init__``. Replicated state a new rank
         needs (weights, optimizer state) is the override's to send, from a surviving rank
         that holds it. No peer of verl or Ray has this hook; torch elastic restarts every
         rank instead.

@@ -257,3 +257,26 @@ def test_follow_pool_refuses_bounds_that_are_not_positive_or_out_of_order(client
             wg.follow_pool(min_world_size=0)
     finally:
         wg.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_heal_rebuilds_a_rank_whose_init_joins_the_process_group_and_the_survivors_join_again():
+    # A rank's __init__ that calls init_process_group waits for every rank: the survivors
+    # (no hook) initialise theirs again at the same time, instead of after it (a deadlock).
+    from heal_init_workers import InitPGWorker
+
+    with process_cluster(3) as cluster, Client(cluster) as client:
+        wait_for_workers(client, 3)
+        wg = WorkerGroup(client, InitPGWorker, world_size=2)
+        try:
+            assert wg.all_reduce() == [3.0, 3.0]
+            survivor = wg.pid()[0]
+            os.kill(wg.pid()[1], signal.SIGKILL)
+            with pytest.raises(WorkerLostError):
+                wg.all_reduce()
+            with daskwg.deadline(120):
+                wg.heal(timeout=60)
+            assert wg.all_reduce() == [3.0, 3.0]
+            assert wg.pid()[0] == survivor
+        finally:
+            wg.shutdown()

@@ -7,14 +7,19 @@ their workers are restarted through their Nannies, or, without one, the ranks mo
 other workers) on free workers of the cluster; a resize adds ranks on free workers or
 destroys the highest ones. Either way, in three steps:
 
-1. the surviving ranks *rejoin* (the ``__rejoin__`` life-cycle call): each takes the new
-   rendezvous (``MASTER_ADDR`` = rank 0's host, a fresh ``MASTER_PORT``, the new
-   ``WORLD_SIZE``), its Worker attributes follow, and the torch default process group its
-   group initialised there is destroyed, so that a new ``init_process_group`` works;
-2. the new ranks are built (``__init__`` with the group's ``ClassWithInitArgs``), and the
-   removed ones destroyed (``__del__``);
-3. ``Worker.on_membership_change(event)`` runs on every rank at once (one blocking call),
-   so that ranks can rendezvous again in it (``init_process_group``).
+1. the removed ranks are destroyed (``__del__``);
+2. at once, so that ranks can rendezvous with each other whichever step they do it in:
+   the surviving ranks *rejoin* (the ``__rejoin__`` life-cycle call: each takes the new
+   rendezvous, ``MASTER_ADDR`` = rank 0's host, a fresh ``MASTER_PORT``, the new
+   ``WORLD_SIZE``; its Worker attributes follow; the torch default process group its group
+   initialised there is destroyed, and, for a class without ``on_membership_change``,
+   initialised again with the same backend), and the new ranks are built (``__init__`` with
+   the group's ``ClassWithInitArgs``, which may call ``init_process_group`` as at the
+   group's build);
+3. ``Worker.on_membership_change(event)`` runs on every rank, the new ones right after their
+   ``__init__``, the kept ones right after rejoining, all at the same time, so that ranks
+   can rendezvous again in it (``init_process_group``; on a new rank whose ``__init__``
+   already did, skip it there: ``event.new_ranks``).
 
 A *free* worker hosts no rank of any group the scheduler knows of (``wire.records``),
 is not lost and is not busy with a call this driver abandoned; a worker its Nanny has
@@ -35,6 +40,8 @@ warm standbys for ``replace_worker``); *spare* is the operator's word for the sa
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import time
 import weakref
@@ -50,7 +57,7 @@ from ..deadlines import deadline
 from ..errors import GroupBrokenError, WorkerGroupError, WorldSizeError
 from ..transport import CallFuture, GroupTransport
 from ..wire import records
-from ..worker import MembershipChange
+from ..worker import MembershipChange, Worker
 from .install import check_versions
 from .pool import ResourcePool, WorkerSlot
 from .restart import restart_workers
@@ -152,7 +159,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     )
     new_slots = [replaced.get(r, s) for r, s in enumerate(slots)]
     moved = {r: (slots[r].address, new_slots[r].address) for r in sorted(replaced)}
-    report = _change(wg, "heal", new_slots, sorted(replaced), moved, (), t0)
+    report = _change(wg, "heal", new_slots, sorted(replaced), moved, (), t0, rendezvous_timeout=limit)
     logger.warning("group %s: %s", wg._name, report)
     _replenish(wg)
     return report
@@ -178,10 +185,12 @@ def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipR
         added = _free_workers(wg, len(new), slots, limit, "resize", new)
         new_slots = slots + list(added)
         moved = {r: (None, s.address) for r, s in zip(new, added)}
-        report = _change(wg, "resize", new_slots, new, moved, (), t0)
+        report = _change(wg, "resize", new_slots, new, moved, (), t0, rendezvous_timeout=limit)
     else:
         removed = tuple(range(world_size, old))
-        report = _change(wg, "resize", slots[:world_size], [], {}, removed, t0, old_slots=slots)
+        report = _change(
+            wg, "resize", slots[:world_size], [], {}, removed, t0, old_slots=slots, rendezvous_timeout=limit
+        )
     logger.info("group %s: %s", wg._name, report)
     _replenish(wg)
     return report
@@ -351,10 +360,12 @@ def _change(
     t0: float,
     old_slots: list[WorkerSlot] | None = None,
     destroy: tuple | None = None,
+    rendezvous_timeout: float = DEFAULT_TIMEOUT,
 ) -> MembershipReport:
     """Make ``new_slots`` the group's ranks: rejoin the kept ones, build ``new_ranks``,
     destroy ``removed`` (ranks of ``old_slots``; ``destroy``: those of them still alive,
-    when not all are), run the hook everywhere."""
+    when not all are), run the hook everywhere. ``rendezvous_timeout``: seconds a kept rank
+    that initialises its process group again waits for the new ranks."""
     client, old_world = wg._client, wg.world_size
     old_transport = wg._transport
     check_versions(client, [new_slots[r] for r in new_ranks])
@@ -384,10 +395,13 @@ def _change(
     payloads = wg._rank_payloads()
     kept = [r for r in range(wg.world_size) if r not in new_ranks]
     settings = Settings.current()
-    if kept:
-        rejoin = [{"env": payloads[r]["env"], "world_size": wg.world_size} for r in kept]
-        wg._send("__rejoin__", kept, rejoin, blocking=True, raw_payload=True, check=False)
-    if new_ranks:
+    # daskwg's Worker has a no-op hook: only an override does what the class needs.
+    hook = getattr(wg._cls, "on_membership_change", None)
+    has_hook = hook is not None and hook is not Worker.on_membership_change
+
+    def build_new() -> None:
+        # A new rank's __init__ may rendezvous (init_process_group, as ranks built with the
+        # group do): it runs while the kept ranks rejoin and run the hook, never after them.
         wg._send(
             "__init__",
             new_ranks,
@@ -396,9 +410,30 @@ def _change(
             raw_payload=True,
             settle=settings.rank_failure_grace,
         )
-    if hasattr(wg._cls, "on_membership_change"):
-        ranks = list(range(wg.world_size))
-        wg._send("on_membership_change", ranks, [((event,), {})] * len(ranks), blocking=True)
+        if has_hook:
+            wg._send("on_membership_change", new_ranks, [((event,), {})] * len(new_ranks), blocking=True)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="daskwg-heal") as pool:
+        building = pool.submit(contextvars.copy_context().run, build_new) if new_ranks else None
+        try:
+            if kept:
+                # Without a hook, a kept rank whose default process group was destroyed
+                # initialises it again (same backend, new rendezvous), meeting the new ranks'
+                # __init__; with one, the hook does what the class needs.
+                rejoin = [
+                    {
+                        "env": payloads[r]["env"],
+                        "world_size": wg.world_size,
+                        "reinit_timeout": None if has_hook else rendezvous_timeout,
+                    }
+                    for r in kept
+                ]
+                wg._send("__rejoin__", kept, rejoin, blocking=True, raw_payload=True, check=False)
+                if has_hook:
+                    wg._send("on_membership_change", kept, [((event,), {})] * len(kept), blocking=True)
+        finally:
+            if building is not None:
+                building.result()
     wg._publish()
     return MembershipReport(
         kind,

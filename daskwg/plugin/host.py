@@ -464,9 +464,15 @@ class HostPlugin(WorkerPlugin):
         hosted.world_size = payload["world_size"]
         if call.rank == 0 and old_port is not None and old_port != hosted.env.get("MASTER_PORT"):
             self._reserved_ports.discard(int(old_port))
+        backend = self._process_groups.backend_of(call.group_id)
         self._process_groups.leave(call.group_id, Settings.current().shutdown_timeout)
         self._env.apply(hosted.env, force=True)
         apply_membership(hosted.instance, hosted.env)
+        reinit = payload.get("reinit_timeout")
+        if backend is not None and reinit is not None:
+            # A class without on_membership_change: its default process group comes back on
+            # the new rendezvous, met by the new ranks' __init__ (groups/heal.py).
+            self._process_groups.init_again(call, hosted.world_size, backend, reinit)
         return True
 
     def _destroy(self, call: Call) -> bool:

@@ -5,6 +5,7 @@ it with the last rank of its group (as the end of a Ray actor's process would)."
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -114,6 +115,25 @@ class ProcessGroups:
             self.owner = ProcessGroupOwner(gid, heir.group_name, rank, heir.world_size)
             return
         self._destroy(owner, timeout)
+
+    def backend_of(self, group_id: str) -> str | None:
+        """The backend of the default process group ranks of ``group_id`` initialised here
+        (``"gloo"``, ``"nccl"``, ...), else ``None``."""
+        owner = self.owner
+        if owner is None or owner.group_id != group_id or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return str(dist.get_backend())
+
+    def init_again(self, call: Call, world_size: int, backend: str, timeout: float) -> None:
+        """Initialise the default process group again for ``call``'s rank after a membership
+        change (``backend`` as before; the rendezvous from the environment now in place),
+        waiting up to ``timeout`` seconds for the other ranks. On the host thread.
+
+        Raises:
+            RuntimeError, TimeoutError: torch's, when the rendezvous fails or times out.
+        """
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        self.note(call, world_size)
 
     def leave(self, group_id: str, timeout: float) -> None:
         """Destroy the default process group that ranks of ``group_id`` initialised here,
