@@ -156,6 +156,28 @@ def test_local_cluster_worker_processes_end_before_their_nannies_kill_them(tmp_p
     assert error_lines(run.stderr) == []
 
 
+def test_a_call_still_running_as_the_cluster_closes_does_not_keep_its_worker_process(tmp_path):
+    """A group left without ``shutdown()`` while its call runs (a thread cannot be
+    interrupted): the interpreter joined the rank's host thread before any exit handler, so
+    the process stayed until the Nanny killed it ("still alive after 4.0 seconds")."""
+    run = run_script(
+        tmp_path,
+        """
+        from distributed import Client
+        from daskwg import WorkerGroup, local_cluster
+        from hang_workers import HangWorker
+
+        if __name__ == "__main__":
+            with local_cluster(2, dashboard_address=":0") as cluster, Client(cluster) as client:
+                wg = WorkerGroup(client, HangWorker, world_size=2)
+                wg.sleep_async(30)
+            print("done")
+        """,
+    )
+    assert [line for line in run.stderr.splitlines() if "still alive" in line] == []
+    assert error_lines(run.stderr) == []
+
+
 def test_importing_verl_first_leaves_a_local_cluster_silent(tmp_path):
     """``import verl`` at the top of a driver script calls ``logging.basicConfig``; Dask then
     gives its ``distributed`` logger no handler of its own, and ``LocalCluster``'s

@@ -162,6 +162,12 @@ class HostPlugin(WorkerPlugin):
             stop_listening()
         if multiprocessing.current_process().name.startswith(_NANNY_CHILD):
             atexit.register(_end_process)  # the last registered runs first
+            register_early = getattr(threading, "_register_atexit", None)
+            if self.calls.running_calls() and register_early is not None:
+                # A rank's call still runs (a thread cannot be interrupted): the interpreter
+                # would join its host thread before any atexit handler (concurrent.futures
+                # registers that join here), keeping the process until the call ends.
+                register_early(_end_process)
 
     def hosted_ranks(self) -> list[tuple[str, str, int]]:
         """``(group name, group id, rank)`` of every rank hosted here, sorted."""
