@@ -29,7 +29,7 @@ import numpy as np
 import psutil
 from dask.utils import parse_bytes
 
-__all__ = ["SMALLEST", "pool_limit", "pooled_bytes", "receive_buffer"]
+__all__ = ["SMALLEST", "clear_pool", "pool_limit", "pooled_bytes", "receive_buffer"]
 
 #: Buffers smaller than this are plain ``numpy.empty`` (the allocator keeps those warm).
 SMALLEST = 1 << 20
@@ -130,3 +130,15 @@ def _give_back(block: np.ndarray) -> None:
 def pooled_bytes() -> int:
     """Bytes waiting in this process's free lists now."""
     return _pooled
+
+
+def clear_pool() -> None:
+    """Drop every block waiting in this process's free lists (their memory is freed now;
+    blocks in use come back to the pool when their last view dies)."""
+    global _pooled
+    with _lock:
+        released = list(_free.values())
+        _free.clear()
+        _by_size.clear()
+        _pooled = 0
+    del released
