@@ -135,7 +135,14 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     stuck = _stuck_ranks(wg, [r for r in range(len(slots)) if r not in lost])
     if not lost and not stuck and transport.broken is None:
         logger.info("group %s: heal() found nothing to heal", wg._name)
-        return MembershipReport("heal", old_world_size=wg.world_size, new_world_size=wg.world_size)
+        return MembershipReport(
+            "heal",
+            old_world_size=wg.world_size,
+            new_world_size=wg.world_size,
+            master_addr=wg._master_addr,
+            master_port=wg._master_port,
+            seconds=time.monotonic() - t0,
+        )
     replaced: dict[int, WorkerSlot] = {}
     restartable = [r for r in stuck if slots[r].nanny is not None]
     if restartable:
