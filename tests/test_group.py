@@ -216,3 +216,29 @@ def test_group_on_a_cluster_started_with_the_dask_command_line():
                 assert wg.foo(x=1, y=2) == [5, 5, 5, 5]
     finally:
         cluster.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("call", "why"),
+    [
+        (lambda wg: wg.foo(1), "missing a required argument: 'y'"),
+        (lambda wg: wg.foo(1, 2, 3), "too many positional arguments"),
+        (lambda wg: wg.foo(1, 2, z=2), "got an unexpected keyword argument 'z'"),
+        (lambda wg: wg.foo_rank_zero(x=1), "missing a required argument: 'y'"),
+    ],
+)
+def test_arguments_the_method_does_not_take_are_refused_before_any_rank_runs(group, call, why):
+    with pytest.raises(
+        TypeError, match=rf"AddWorker\.\w+\(x, y\) cannot take the arguments of this call \({why}\)"
+    ):
+        call(group)
+    assert group.foo(1, 2) == [5, 5, 5, 5]  # nothing was queued: the next call answers
+
+
+@pytest.mark.timeout(60)
+def test_init_arguments_the_class_does_not_take_are_refused_before_any_rank_is_built(client4):
+    with pytest.raises(
+        TypeError, match=r"AddWorker\(x: .int. = 2\) cannot be built .*unexpected keyword argument 'y'"
+    ):
+        WorkerGroup(client4, ClassWithInitArgs(AddWorker, y=3), world_size=2)

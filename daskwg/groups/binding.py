@@ -119,6 +119,8 @@ class BoundGroup:
         self._check_usable(method_name)
         ranks = [0] if registered.execute_mode == Execute.RANK_ZERO else list(range(self.world_size))
         payloads, pad_size = cut(self, method_name, fns, args, kwargs, ranks)
+        if payloads:
+            self._check_arguments(method_name, *payloads[0])
         # The group lets go of the parts, so concatenation can free each one as it goes.
         return collect(
             self,
@@ -171,6 +173,28 @@ class BoundGroup:
     def _describe_class(self) -> str:
         return self._cls.__name__
 
+    def _check_arguments(self, method_name: str, args: tuple, kwargs: dict) -> None:
+        """Refuse, before any rank runs, arguments the method's signature does not take (a
+        missing, extra or misspelt one), as calling it on a rank would.
+
+        Raises:
+            TypeError: the method cannot be called with them (the message gives its signature).
+        """
+        signatures = self.__dict__.setdefault("_signatures", {})
+        if method_name not in signatures:
+            signatures[method_name] = method_signature(self._cls, method_name)
+        signature = signatures[method_name]
+        if signature is None:
+            return
+        try:
+            signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(
+                f"{self._describe_class()}.{method_name}{_without_self(signature)} cannot take the arguments "
+                f"of this call ({exc}); nothing was sent to the ranks. Check the call's arguments against "
+                "the method's signature (a dispatch mode passes each rank its share of every argument)"
+            ) from None
+
     def _at_call_boundary(self) -> None:
         """Before a call is cut into per-rank payloads: where the group may change its
         membership (a group that follows its pool); nothing by default."""
@@ -199,3 +223,26 @@ class BoundGroup:
         raise AttributeError(
             f"WorkerGroup has no attribute {item!r}: {hint}; registered methods: {sorted(methods)}"
         )
+
+
+def method_signature(cls: Any, method_name: str) -> inspect.Signature | None:
+    """The signature of ``cls``'s function ``method_name`` (``self`` first), or ``None``
+    where there is none to check against (no such plain function, a builtin, or one that
+    takes anything: ``*args, **kwargs``)."""
+    function = inspect.getattr_static(cls, method_name, None)
+    if isinstance(function, (staticmethod, classmethod)) or not callable(function):
+        return None
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind for p in signature.parameters.values()}
+    if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+        return None
+    if not signature.parameters:
+        return None
+    return signature
+
+
+def _without_self(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=list(signature.parameters.values())[1:])

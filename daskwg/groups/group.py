@@ -27,7 +27,7 @@ from ..transport.failure.state import fresh_error
 from ..wire import records
 from ..wire.messages import RANK_ENV_KEYS, WIRE_FORMAT
 from ..worker import ClassWithInitArgs
-from .binding import RESERVED, BoundGroup
+from .binding import RESERVED, BoundGroup, method_signature
 from .colocate import role_classes_of
 from .heal import MembershipReport, follow_pool, follow_step, heal_group, keep_spares, resize_group
 from .install import check_versions, install_plugins, version_of
@@ -108,6 +108,7 @@ class WorkerGroup(BoundGroup):
             else ClassWithInitArgs(cls_or_cls_with_init)
         )
         env = _check_options(worker_env, master_port, name, detached)
+        _check_init_arguments(cls_with_init)
         placement = (workers.slots if isinstance(workers, ResourcePool) else None, resources)
         if isinstance(workers, ResourcePool):
             pool = workers
@@ -728,3 +729,24 @@ def _check_options(
                 f"worker_env may not set {key}: daskwg sets {', '.join(RANK_ENV_KEYS)} for every rank"
             )
     return dict(worker_env)
+
+
+def _check_init_arguments(cls_with_init: ClassWithInitArgs) -> None:
+    """Refuse, before any worker is asked, init arguments the class's ``__init__`` does not
+    take (a misspelt keyword, one too many), as building it on the ranks would.
+
+    Raises:
+        TypeError: the class cannot be built with them.
+    """
+    cls = cls_with_init.cls
+    signature = method_signature(cls, "__init__")
+    if signature is None:
+        return
+    try:
+        signature.bind(None, *cls_with_init.args, **cls_with_init.kwargs)
+    except TypeError as exc:
+        params = list(signature.parameters.values())[1:]
+        raise TypeError(
+            f"{cls.__name__}({', '.join(str(p) for p in params)}) cannot be built with the given init "
+            f"arguments ({exc}); no rank was built. Check ClassWithInitArgs({cls.__name__}, ...)"
+        ) from None
