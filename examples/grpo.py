@@ -1462,9 +1462,22 @@ def wait_for_workers(client, n_workers: int, timeout: float) -> None:
     have = len(client.nthreads())
     if have < n_workers:
         print(f"waiting for {n_workers} Dask workers ({have} connected)...", flush=True)
-    try:
-        client.wait_for_workers(n_workers, timeout=timeout)
-    except TimeoutError:
+    t0 = time.monotonic()
+    while True:
+        # In rounds, saying how many came: a worker process starting on a busy machine
+        # (torch's import) may take minutes, and a silent wait looks like a hang.
+        left = timeout - (time.monotonic() - t0)
+        try:
+            client.wait_for_workers(n_workers, timeout=max(min(15.0, left), 0.1))
+            return
+        except TimeoutError:
+            if time.monotonic() - t0 < timeout:
+                print(
+                    f"  still waiting: {len(client.nthreads())} of {n_workers} Dask workers connected "
+                    f"after {time.monotonic() - t0:.0f} s (worker processes start by importing torch)",
+                    flush=True,
+                )
+                continue
         raise SystemExit(
             f"only {len(client.nthreads())} of the {n_workers} Dask workers this placement needs joined "
             f"{client.scheduler.address} within {timeout:g} s (--recover-timeout): start more workers "
