@@ -538,8 +538,9 @@ _CTRL_C_WHILE_SENDING = textwrap.dedent(
         big = torch.ones(25 << 20)  # 100 MiB: copied into a file per rank, or sent over TCP
         for delay in (0.0005, 0.002, 0.005, 0.01, 0.02, 0.04):
             timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-            timer.start()
             try:
+                # Started inside: on a busy machine the signal may come before start() returns.
+                timer.start()
                 wg.head(big)
             except KeyboardInterrupt:
                 out["interrupted"] += 1

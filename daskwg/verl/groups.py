@@ -202,7 +202,7 @@ class RayWorkerGroup(WorkerGroup):
             )
         # verl's names are "{prefix}{Class}_{node}:{local_rank}"; the group is "{prefix}{Class}".
         name = str(worker_names[0]).rsplit("_", 1)[0]
-        record = records.lookup(client, name)
+        record = records.lookup(client, name, any_client=True)
         if record is None:
             raise ValueError(
                 f"there is no live group named {name!r} on this cluster (from worker_names {list(worker_names)})"

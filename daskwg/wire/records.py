@@ -78,14 +78,32 @@ def publish(client: Client, name: str, record: GroupRecord) -> list[str]:
     return key
 
 
-def lookup(client: Client, name: str) -> GroupRecord | None:
+def lookup(client: Client, name: str, any_client: bool = False) -> GroupRecord | None:
     """The record of the group ``name`` that ``client`` sees: its own non-detached group
-    of that name, else the detached one; ``None`` if neither exists."""
+    of that name, else the detached one; ``None`` if neither exists.
+
+    ``any_client``: else the one non-detached group of that name any client owns, as a Ray
+    named actor is found from any task of its job (verl's ``from_detached`` runs in remote
+    tasks, whose Dask client is the worker's).
+
+    Raises:
+        ValueError: with ``any_client``, several clients own a group of that name.
+    """
     for key in (key_of(name, client.id), key_of(name)):
         stored = client.get_metadata(key, default=None)
         if stored:
             return GroupRecord(**stored)
-    return None
+    if not any_client:
+        return None
+    groups = client.get_metadata([ROOT], default=None) or {}
+    found = [r for k, r in groups.items() if r and k.startswith(f"{name}/")]
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} drivers each have a group named {name!r} (clients "
+            f"{sorted(r['owner'] for r in found)}); attach from the driver that built it, or give "
+            "the groups names of their own"
+        )
+    return GroupRecord(**found[0]) if found else None
 
 
 def forget(client: Client, key: list[str]) -> None:
