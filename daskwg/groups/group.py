@@ -9,6 +9,7 @@ rank environment, build, attach, restart, shutdown; how calls and data travel is
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -168,6 +169,8 @@ class WorkerGroup(BoundGroup):
         # Where its record lives on the scheduler: a non-detached name is scoped to its owner.
         self._record_key = records.key_of(name, None if detached else owner)
         self._closed = False
+        # keep_spares() and the warm-ups after a heal or resize (a thread of their own) take turns.
+        self._spare_lock = threading.RLock()
         self._finalizer: weakref.finalize | None = None
         self._cls_with_init: ClassWithInitArgs | None = None
         self._placement: tuple = (None, None)
@@ -437,8 +440,10 @@ class WorkerGroup(BoundGroup):
         that process) and the version check of a rank's build has run: a heal onto it pays
         neither a process start nor those imports. After a heal or resize the group warms
         free workers again up to ``k`` where there are any (it logs when there are too
-        few). Other groups of this driver do not heal or grow onto them. verl calls these
-        warm *standbys* (``replace_worker``, PR #7910, off by default there).
+        few), in a thread of its own: the heal or resize returns as soon as the group
+        answers, and ``wg.spares`` fills up meanwhile. Other groups of this driver do not
+        heal or grow onto them. verl calls these warm *standbys* (``replace_worker``, PR
+        #7910, off by default there).
 
         Args:
             k: spare workers to keep (``int`` >= 0; 0 lets them go).

@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -168,7 +169,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     moved = {r: (slots[r].address, new_slots[r].address) for r in sorted(replaced)}
     report = _change(wg, "heal", new_slots, sorted(replaced), moved, (), t0, rendezvous_timeout=limit)
     logger.warning("group %s: %s", wg._name, report)
-    _replenish(wg)
+    _replenish_later(wg)
     return report
 
 
@@ -199,7 +200,7 @@ def resize_group(wg: Any, world_size: int, timeout: float | None) -> MembershipR
             wg, "resize", slots[:world_size], [], {}, removed, t0, old_slots=slots, rendezvous_timeout=limit
         )
     logger.info("group %s: %s", wg._name, report)
-    _replenish(wg)
+    _replenish_later(wg)
     return report
 
 
@@ -208,14 +209,37 @@ def keep_spares(wg: Any, k: int) -> list[str]:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"keep_spares() takes a number of spare workers >= 0, got {k!r}")
     _check_changeable(wg, "keep_spares")
-    wg._spare_count = k
-    if k:
-        _WITH_SPARES.add(wg)
-    else:
-        wg._spares = []
-        _WITH_SPARES.discard(wg)
-    _replenish(wg)
-    return [s.address for s in wg._spares]
+    with wg._spare_lock:
+        wg._spare_count = k
+        if k:
+            _WITH_SPARES.add(wg)
+        else:
+            wg._spares = []
+            _WITH_SPARES.discard(wg)
+        _replenish(wg)
+        return [s.address for s in wg._spares]
+
+
+def _replenish_later(wg: Any) -> None:
+    """:func:`_replenish` in a thread of its own, after a heal or resize: the group answers
+    at once, while a spare is warmed (a restarted worker may still be importing torch: the
+    warm-up waits for it). Best effort: a failure is logged, and ``keep_spares(k)`` warms
+    synchronously when called."""
+    if not getattr(wg, "_spare_count", 0):
+        return
+    with wg._spare_lock:  # at once: a spare that now hosts a rank (or was lost) is none
+        lost = wg._transport.driver.health.lost
+        ranks = {s.server_id for s in wg._slots}
+        wg._spares = [s for s in wg._spares if s.server_id not in lost and s.server_id not in ranks]
+
+    def replenish() -> None:
+        try:
+            with wg._spare_lock:
+                _replenish(wg)
+        except Exception as exc:  # noqa: BLE001 - the client closing, a worker going: next time
+            logger.info("group %s: warming spare workers failed: %s", wg._name, exc)
+
+    threading.Thread(target=replenish, name=f"daskwg-spares-{wg._name}", daemon=True).start()
 
 
 def _replenish(wg: Any) -> None:
@@ -350,7 +374,7 @@ def _follow_losses(wg: Any, following: _Following) -> MembershipReport:
     logger.warning(
         "group %s follows its pool: lost rank(s) %s and no free worker: %s", wg._name, lost, report
     )
-    _replenish(wg)
+    _replenish_later(wg)
     return report
 
 
