@@ -148,7 +148,9 @@ def test_reading_a_cancelled_call_raises_call_cancelled_error(client, wg, read):
     # It was GroupBrokenError, after waiting 3 s for news of a lost worker.
     running = wg.generate(batch(steps=1200, step_s=0.05))
     running.cancel()
-    with pytest.raises(CallCancelledError, match="'generate' on rank 0 was cancelled"):
+    # Every rank's call was cancelled; a read of all of them raises the first error it meets
+    # (Dask's client.gather: in the order the parts settle).
+    with pytest.raises(CallCancelledError, match=r"'generate' on rank [01] was cancelled"):
         READS[read](client, running)
     assert not wg.is_broken
     assert _answers(wg)
