@@ -223,8 +223,10 @@ class HostLeader:
         for count in message.counts:
             payloads.append(buffers[at : at + count])
             at += count
-        for index, (address, server_id, call, payload, relay_wait) in enumerate(message.members):
-            call_message = CallMessage(Call.from_wire(call), message.headers[payload], relay_wait=relay_wait)
+        for index, (address, server_id, call, payload, key, inline, relay_wait) in enumerate(message.members):
+            call_message = CallMessage(
+                Call.from_wire(call), message.headers[payload], key, inline, relay_wait
+            )
             if server_id == self.server_id:
                 start_own(call_message, payloads[payload], answers.answer, index)
                 continue

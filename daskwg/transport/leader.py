@@ -137,7 +137,7 @@ class LeaderPath(DirectPath):
                 counts.append(len(payload.buffers))
                 buffers.extend(payload.buffers)
             c = calls[i]
-            records.append((self.ranks.address(c.rank), c.worker_id, c.to_wire(), k, relay_wait))
+            records.append((self.ranks.address(c.rank), c.worker_id, c.to_wire(), k, None, 0, relay_wait))
         host_calls = [calls[i] for i in members]
         outcomes = [loop.create_future() for _ in members]
         on_reply = functools.partial(self._fanned, host_calls, outcomes, set())

@@ -504,9 +504,10 @@ class FanoutMessage:
     headers, counts)``, the payloads' buffers beside it, payload after payload.
 
     Attributes:
-        members: per call, ``(address, server_id, call fields, payload index, relay_wait)``:
-            the worker process it is meant for, the :class:`Call` (:meth:`Call.to_wire`),
-            which payload holds its arguments, and ``daskwg.relay-wait`` (seconds).
+        members: per call, ``(address, server_id, call fields, payload index, key, inline,
+            relay_wait)``: the worker process it is meant for, the :class:`Call`
+            (:meth:`Call.to_wire`), which payload holds its arguments, and
+            :class:`CallMessage`'s ``key``, ``inline`` and ``relay_wait``.
         headers: the distinct payloads' pickle headers (a ``ONE_TO_ALL`` call's one payload
             travels once for the whole host).
         counts: per payload, how many of the message's buffers are its.
