@@ -12,7 +12,8 @@ rank; ``host``: one message per host to its leader, ``daskwg/transport/leader.py
 
 Per row: the median over ``--rounds`` rounds of the wall seconds per call, and the driver
 process's CPU seconds per call (``time.process_time``: every thread of the driver, its
-calling thread and the client's event loop). The modes take turns round by round, so a
+calling thread and the client's event loop; the scheduler and the workers run in processes
+of their own, as ``dask scheduler`` and ``dask worker``). The modes take turns round by round, so a
 load that comes and goes weighs on both alike. With ``--hosts HxR``: the scheduler in one
 namespace, ``H`` hosts of ``R`` worker processes each, the driver in a namespace of its own
 (every byte between the driver and a worker crosses a veth pair and a bridge).
@@ -79,15 +80,20 @@ def show(label: str, result: dict) -> None:
 
 
 def local(sizes: list[int], calls: int, rounds: int) -> None:
-    from distributed import Client, LocalCluster
+    # The scheduler and workers in processes of their own (``dask scheduler``, ``dask
+    # worker``), as on a real cluster: a LocalCluster's scheduler and nannies would run in
+    # the driver's process and count in its CPU time.
+    from conftest import CLICluster
+    from distributed import Client
 
     for n in sizes:
-        with (
-            LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-            Client(cluster) as client,
-        ):
-            client.wait_for_workers(n, timeout=600)
-            show(f"1 host x {n} ranks", measure(client, None, n, calls, rounds))
+        cluster = CLICluster(n)
+        try:
+            with Client(cluster.address, timeout=120) as client:
+                client.wait_for_workers(n, timeout=600)
+                show(f"1 host x {n} ranks", measure(client, None, n, calls, rounds))
+        finally:
+            cluster.close()
 
 
 def hosts(layouts: list[str], calls: int, rounds: int) -> None:

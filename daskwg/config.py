@@ -66,7 +66,7 @@ class Settings:
             connection to each worker of its groups (groups built now).
         heartbeat_timeout: seconds without an answer to them before the worker is taken
             as lost (groups built now).
-        fan_out: how a blocking call reaches a host's ranks: ``"direct"`` (one message per
+        fan_out: how a group call reaches a host's ranks: ``"direct"`` (one message per
             rank), ``"host"`` (one per host, through its leader) or ``"auto"`` (through the
             leader from ``daskwg.transport.leader.AUTO_RANKS`` ranks of a host on).
     """

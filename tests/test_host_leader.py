@@ -198,3 +198,35 @@ def test_a_leader_killed_during_a_call_fails_it_with_the_leaders_worker_lost_err
     other = WorkerGroup(client, AddWorker, workers=survivors)
     assert other.foo(1, 2) == [5, 5, 5]
     other.shutdown()
+
+
+def test_non_blocking_results_through_the_leader_equal_the_direct_ones(client4, monkeypatch):
+    wg = WorkerGroup(client4, AddWorker, world_size=4)
+    batch = DataProto.from_dict({"a": torch.arange(8)})
+    kinds: list[str] = []
+    send_now = CallStreams.send_now
+
+    def spy_now(self, address, server_id, message, *args, **kwargs):
+        ok = send_now(self, address, server_id, message, *args, **kwargs)
+        if ok:
+            kinds.append(message[0])
+        return ok
+
+    try:
+        direct = (daskwg.get(wg.record(7)), wg.add_rank_async(batch).get())
+        monkeypatch.setattr(CallStreams, "send_now", spy_now)
+        with dask.config.set({"daskwg.fan-out": "host"}):
+            ints = wg.record(7)
+            future = wg.add_rank_async(batch)
+            assert kinds == ["fanout", "fanout"]
+            led = (daskwg.get(ints), future.get())
+            # The result stays on the ranks' workers: the next call reads it there.
+            chained = wg.add_rank(future)
+        monkeypatch.undo()
+        assert led[0] == direct[0] == [7, 7, 7, 7]
+        assert torch.equal(led[1].batch["a"], direct[1].batch["a"])
+        assert chained.batch["a"].tolist() == [0, 1, 4, 5, 8, 9, 12, 13]
+        assert wg.get_log() == [[7, 7]] * 4
+    finally:
+        monkeypatch.undo()
+        wg.shutdown()

@@ -2,7 +2,7 @@
 (:class:`HostLeader`).
 
 With ``daskwg.fan-out`` set to ``host`` (or ``auto`` for hosts with many ranks), a driver
-sends a blocking call to the ranks of one host as ONE message
+sends a call (blocking or not) to the ranks of one host as ONE message
 (:class:`daskwg.wire.messages.FanoutMessage`) to a worker of that host, the leader, instead
 of one message per rank: its own writes and reads per call grow with hosts, not ranks, as
 Monarch's meshes send to a host once. The leader starts its own rank's call as any call

@@ -1,4 +1,5 @@
-"""The direct path through host leaders: one message per host (:class:`LeaderPath`).
+"""Calls through host leaders: one message per host, for blocking calls (:class:`LeaderPath`,
+the direct path's) and non-blocking ones (:class:`HostSubmit`, the submit path's).
 
 The direct path (``daskwg.transport.direct``) writes one message per rank and reads one
 reply per rank: the driver's own work per call grows with the ranks, and at a few dozen
@@ -27,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import pickle
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 from distributed.comm import get_address_host
 
+from ..config import Settings
 from ..serialization import pickling as serialization
 from ..wire.memfiles import BUFFER_SMALLEST
 from ..wire.messages import LOST, Call, FanoutMessage, Reply
@@ -39,7 +42,7 @@ from .driver import GroupRanks
 from .failure.state import FailureState
 from .streams import CallStreams, StreamClosed
 
-__all__ = ["LeaderPath", "AUTO_RANKS", "FAN_OUT_MODES"]
+__all__ = ["LeaderPath", "HostSubmit", "AUTO_RANKS", "FAN_OUT_MODES"]
 
 #: ``daskwg.fan-out``'s values.
 FAN_OUT_MODES = ("direct", "host", "auto")
@@ -68,19 +71,8 @@ class LeaderPath(DirectPath):
         self.max_bytes = max_bytes
 
     def hosts(self, calls: Sequence[Call], payloads: Sequence[serialization.Packed]) -> list[list[int]]:
-        """The calls (indices) that go through a leader, by host; each list's first is the
-        leader's (the host's lowest rank of the call)."""
-        by_host: dict[str, list[int]] = {}
-        for i, c in enumerate(calls):
-            by_host.setdefault(get_address_host(self.ranks.address(c.rank)), []).append(i)
-        groups = []
-        for members in by_host.values():
-            if len(members) < self.min_ranks:
-                continue
-            if self.max_bytes is not None and _payload_bytes(payloads, members) > self.max_bytes:
-                continue
-            groups.append(sorted(members, key=lambda i: calls[i].rank))
-        return groups
+        """:func:`by_host` with this path's thresholds."""
+        return by_host(self.ranks, calls, payloads, self.min_ranks, self.max_bytes)
 
     def _start_all(
         self,
@@ -123,25 +115,10 @@ class LeaderPath(DirectPath):
         loop: asyncio.AbstractEventLoop,
     ) -> list[asyncio.Future]:
         """Write one host's calls as one message to its leader; their outcomes' futures."""
-        headers: list[bytes] = []
-        counts: list[int] = []
-        buffers: list = []
-        index_of: dict[int, int] = {}
-        records = []
-        for i in members:
-            payload = payloads[i]
-            k = index_of.get(id(payload))
-            if k is None:  # a payload ranks share (one pickle) travels once
-                k = index_of[id(payload)] = len(headers)
-                headers.append(payload.header)
-                counts.append(len(payload.buffers))
-                buffers.extend(payload.buffers)
-            c = calls[i]
-            records.append((self.ranks.address(c.rank), c.worker_id, c.to_wire(), k, None, 0, relay_wait))
+        message, buffers = fanout_message(self.ranks, calls, payloads, members, None, 0, relay_wait)
         host_calls = [calls[i] for i in members]
         outcomes = [loop.create_future() for _ in members]
         on_reply = functools.partial(self._fanned, host_calls, outcomes, set())
-        message = FanoutMessage(records, headers, counts).to_wire()
         leader = host_calls[0]
         address = self.ranks.address(leader.rank)
         written = loop.create_future()
@@ -191,11 +168,7 @@ class LeaderPath(DirectPath):
                 asyncio.ensure_future(self._fail(outcome, self.failures.connection_lost(leader.rank, reply)))
             answered.update(range(len(calls)))
             return True
-        answer = Reply.from_wire(reply)
-        at = 0
-        for index, fields, n in pickle.loads(answer.header):
-            member_buffers = buffers[at : at + n]
-            at += n
+        for index, fields, member_buffers in answers(reply, buffers):
             answered.add(index)
             c, outcome = calls[index], outcomes[index]
             if fields[0] == LOST:
@@ -204,6 +177,170 @@ class LeaderPath(DirectPath):
             else:
                 self._replied(c, self.ranks.address(c.rank), outcome, ("reply", 0, *fields), member_buffers)
         return len(answered) == len(calls)
+
+
+class HostSubmit:
+    """Non-blocking calls through host leaders (``daskwg.transport.submit``'s part of
+    ``daskwg.fan-out``): one message per host; each rank's answer settles its future as the
+    direct path's reply would (``SubmitPath._reply``), when the leader answers for its host.
+
+    Args:
+        ranks: the group's ranks.
+        failures: the group's failure state.
+        reply: ``SubmitPath._reply(call, key, reply, buffers)``.
+    """
+
+    def __init__(self, ranks: GroupRanks, failures: FailureState, reply: Callable[..., None]):
+        self.ranks = ranks
+        self.failures = failures
+        self._reply = reply
+
+    def send(
+        self,
+        calls: list[Call],
+        keys: list[str],
+        payloads: list[serialization.Packed],
+        settings: Settings,
+        big: bool,
+        opening_wait: float,
+    ) -> list[int]:
+        """Send the calls of hosts with enough of them through their leaders (``settings.fan_out``);
+        returns the indices of the others, which go direct. Arguments of at most
+        ``daskwg.scatter-above`` bytes are copied first (``big``: they are not, and this waits
+        until they are written); a stream being opened is waited for ``opening_wait`` seconds
+        at most."""
+        min_ranks, max_bytes = (2, None) if settings.fan_out == "host" else (AUTO_RANKS, AUTO_MAX_BYTES)
+        groups = by_host(self.ranks, calls, payloads, min_ranks, max_bytes)
+        if not groups:
+            return list(range(len(calls)))
+        if not big:
+            copies: dict[int, serialization.Packed] = {}
+            payloads = [
+                copies.setdefault(id(p), serialization.Packed(p.header, [bytes(b) for b in p.buffers]))
+                for p in payloads
+            ]
+        streams, loop = self.ranks.driver.streams, self.ranks.client.loop
+        waits = []
+        for members in groups:
+            message, buffers = fanout_message(
+                self.ranks, calls, payloads, members, keys, settings.inline_results, settings.relay_wait
+            )
+            host_calls, host_keys = [calls[i] for i in members], [keys[i] for i in members]
+            on_reply = functools.partial(self._answered, host_calls, host_keys, set())
+            leader = host_calls[0]
+            address = self.ranks.address(leader.rank)
+            if not big and streams.send_now(address, leader.worker_id, message, buffers, on_reply):
+                continue
+            written = threading.Event()
+            waits.append(written)
+            loop.add_callback(self._send, leader, message, buffers, on_reply, written)
+        for written in waits:
+            written.wait(None if big else opening_wait)
+        taken = {i for members in groups for i in members}
+        return [i for i in range(len(calls)) if i not in taken]
+
+    async def _send(
+        self, leader: Call, message: tuple, buffers: list, on_reply: Callable, written: threading.Event
+    ) -> None:
+        try:
+            await self.ranks.driver.streams.send(
+                self.ranks.address(leader.rank), leader.worker_id, message, buffers, on_reply
+            )
+        except OSError as exc:  # the stream to the leader closed, or could not be opened
+            on_reply(exc, [])
+        finally:
+            written.set()
+
+    def _answered(
+        self, calls: list[Call], keys: list[str], answered: set, reply: object, buffers: list
+    ) -> bool:
+        if isinstance(reply, BaseException):
+            leader = calls[0]
+            for index, (c, key) in enumerate(zip(calls, keys)):
+                if index in answered:
+                    continue
+                if c is not leader:
+                    slot = self.ranks.slots[c.rank]
+                    self.ranks.driver.sequencer.skip(slot.address, c.worker_id, c.session, [c.seq])
+                asyncio.ensure_future(self._lost(key, leader.rank, reply))
+            answered.update(range(len(calls)))
+            return True
+        for index, fields, member_buffers in answers(reply, buffers):
+            answered.add(index)
+            c, key = calls[index], keys[index]
+            if fields[0] == LOST:
+                lost = StreamClosed(f"the host leader's stream to it closed: {fields[2]}")
+                asyncio.ensure_future(self._lost(key, c.rank, lost))
+            else:
+                self._reply(c, key, ("reply", 0, *fields), member_buffers)
+        return len(answered) == len(calls)
+
+    async def _lost(self, key: str, rank: int, exc: BaseException) -> None:
+        self.ranks.driver.owned.failed(key, await self.failures.connection_lost(rank, exc))
+
+
+def by_host(
+    ranks: GroupRanks,
+    calls: Sequence[Call],
+    payloads: Sequence[serialization.Packed],
+    min_ranks: int,
+    max_bytes: int | None,
+) -> list[list[int]]:
+    """The calls (indices) that go through a leader, by host: hosts with at least
+    ``min_ranks`` of them and (``max_bytes`` not ``None``) at most ``max_bytes`` bytes of
+    payload; each list's first is the leader's (the host's lowest rank of the call)."""
+    hosts: dict[str, list[int]] = {}
+    for i, c in enumerate(calls):
+        hosts.setdefault(get_address_host(ranks.address(c.rank)), []).append(i)
+    groups = []
+    for members in hosts.values():
+        if len(members) < max(2, min_ranks):
+            continue
+        if max_bytes is not None and _payload_bytes(payloads, members) > max_bytes:
+            continue
+        groups.append(sorted(members, key=lambda i: calls[i].rank))
+    return groups
+
+
+def fanout_message(
+    ranks: GroupRanks,
+    calls: Sequence[Call],
+    payloads: Sequence[serialization.Packed],
+    members: list[int],
+    keys: Sequence[str] | None,
+    inline: int,
+    relay_wait: float,
+) -> tuple[tuple, list]:
+    """One host's calls (``members``, indices) as a :class:`~daskwg.wire.messages.FanoutMessage`
+    on the wire and its buffers; a payload several of them share (the same ``Packed``)
+    travels once. ``keys``: per call, a non-blocking call's result key (``None``: blocking)."""
+    headers: list[bytes] = []
+    counts: list[int] = []
+    buffers: list = []
+    index_of: dict[int, int] = {}
+    records = []
+    for i in members:
+        payload = payloads[i]
+        k = index_of.get(id(payload))
+        if k is None:
+            k = index_of[id(payload)] = len(headers)
+            headers.append(payload.header)
+            counts.append(len(payload.buffers))
+            buffers.extend(payload.buffers)
+        c = calls[i]
+        key = None if keys is None else keys[i]
+        records.append((ranks.address(c.rank), c.worker_id, c.to_wire(), k, key, inline, relay_wait))
+    return FanoutMessage(records, headers, counts).to_wire(), buffers
+
+
+def answers(reply: tuple, buffers: list) -> list[tuple[int, tuple, list]]:
+    """A leader's :data:`~daskwg.wire.messages.FANOUT` reply as ``(member index, (status,
+    nbytes, error, header, info), its buffers)`` per member it answers."""
+    out, at = [], 0
+    for index, fields, n in pickle.loads(Reply.from_wire(reply).header):
+        out.append((index, tuple(fields), buffers[at : at + n]))
+        at += n
+    return out
 
 
 def _all_sent(sent: list[asyncio.Future], written: asyncio.Future) -> None:
