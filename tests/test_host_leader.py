@@ -230,3 +230,17 @@ def test_non_blocking_results_through_the_leader_equal_the_direct_ones(client4, 
     finally:
         monkeypatch.undo()
         wg.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [0, 2], ids=["leader", "member"])
+def test_a_worker_killed_during_a_non_blocking_call_through_the_leader_fails_its_future(
+    fresh_cluster4, host_fan_out, victim
+):
+    _, client = fresh_cluster4
+    wg = WorkerGroup(client, FaultWorker, world_size=4)
+    _kill_later(wg.pid()[victim], 1.0)
+    futures = wg.sleep_async(3.0)
+    with pytest.raises(WorkerLostError) as info:
+        daskwg.get(futures)
+    assert info.value.rank == victim and info.value.address == wg.workers[victim]
