@@ -49,10 +49,14 @@ def measure(client, workers: list[str] | None, world_size: int, calls: int, roun
         for row, call in rows.items():
             walls: dict[str, list[float]] = {m: [] for m in MODES}
             cpus: dict[str, list[float]] = {m: [] for m in MODES}
+            seen = []
             for mode in MODES:  # warm: streams open, leader streams open
                 with dask.config.set({"daskwg.fan-out": mode}):
                     for _ in range(20):
-                        call(wg)
+                        result = call(wg)
+                seen.append(result if isinstance(result, list) else result.batch["a"].tolist())
+            if seen[0] != seen[1]:
+                raise AssertionError(f"{row}: direct gave {seen[0]}, host {seen[1]}")
             for _ in range(rounds):
                 for mode in MODES:
                     with dask.config.set({"daskwg.fan-out": mode}):
