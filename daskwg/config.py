@@ -66,6 +66,9 @@ class Settings:
             connection to each worker of its groups (groups built now).
         heartbeat_timeout: seconds without an answer to them before the worker is taken
             as lost (groups built now).
+        fan_out: how a group call reaches a host's ranks: ``"direct"`` (one message per
+            rank), ``"host"`` (one per host, through its leader) or ``"auto"`` (through the
+            leader from ``daskwg.transport.leader.AUTO_RANKS`` ranks of a host on).
     """
 
     poll_interval: float
@@ -86,6 +89,7 @@ class Settings:
     check_process_group: bool
     heartbeat_interval: float
     heartbeat_timeout: float
+    fan_out: str = "direct"
 
     @classmethod
     def current(cls) -> Settings:
@@ -130,4 +134,16 @@ class Settings:
             check_process_group=bool(config["check-process-group"]),
             heartbeat_interval=float(config["heartbeat-interval"]),
             heartbeat_timeout=float(config["heartbeat-timeout"]),
+            fan_out=_fan_out(config.get("fan-out", "direct")),
         )
+
+
+def _fan_out(value: object) -> str:
+    """``daskwg.fan-out``, checked.
+
+    Raises:
+        ValueError: not one of ``direct``, ``host``, ``auto``.
+    """
+    if value not in ("direct", "host", "auto"):
+        raise ValueError(f"daskwg.fan-out is {value!r}: set it to 'direct', 'host' or 'auto'")
+    return str(value)

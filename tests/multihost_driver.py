@@ -200,6 +200,15 @@ def gloo(
 
 
 @scenario
+def fan_out(client: Client, ctl: Control, world_size: int, calls: int, rounds: int, bench: str) -> dict:
+    """``benchmarks/fanout.py``'s rows, direct against host-leader fan-out (``bench``: its folder)."""
+    sys.path.insert(0, bench)
+    from fanout import measure
+
+    return measure(client, None, world_size, calls, rounds)
+
+
+@scenario
 def blocking_result(client: Client, ctl: Control, workers: list[str], rows: int, cols: int) -> dict:
     with WorkerGroup(client, BulkWorker, workers=workers) as wg:
         out, seconds = measured(ctl, lambda: wg.make_sync(seed(rows, cols)))

@@ -6,6 +6,7 @@ It never imports the driver side (``daskwg.transport``): both stand on ``daskwg.
   ranks (one instance per worker process).
 * ``stream``: a driver's call stream to this worker (the ``daskwg_stream`` handler).
 * ``direct``: calls that come straight to this worker, unpacked and put in order.
+* ``leader``: the host leader, handing a driver's calls on to the other ranks of its host.
 * ``task``: the entry point of calls that come as Dask tasks (``run_call``).
 * ``planned``: a replayed step plan's part on this worker.
 * ``sequencer``: releasing calls to the host thread strictly in the driver's order.

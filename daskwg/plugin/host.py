@@ -66,6 +66,7 @@ from .direct import DirectCalls
 from .exceptions import earlier_process_error, rank_error
 from .inputs import Inputs
 from .interfaces import socket_ifname_env
+from .leader import HostLeader
 from .metrics import CallMetrics, payload_nbytes
 from .planned import PlanRunner
 from .ports import reserve_port
@@ -123,6 +124,8 @@ class HostPlugin(WorkerPlugin):
         self.inputs = Inputs(worker, self.results)
         self._plans = PlanRunner(self)
         self.direct = DirectCalls(self)
+        #: the streams this worker hands a driver's calls on by, as its host's leader.
+        self.leader = HostLeader(worker.id, worker.connection_args)
         self.results.install()
         handlers = {
             Handler.STREAM: self._handle_stream,
@@ -157,6 +160,9 @@ class HostPlugin(WorkerPlugin):
         for executor in group_executors:
             executor.shutdown(wait=False, cancel_futures=True)
         self.inputs.shared.close()
+        leader = getattr(self, "leader", None)
+        if leader is not None:
+            leader.close()
         stop_listening = getattr(self, "_stop_listening", None)
         if stop_listening is not None:
             stop_listening()
@@ -240,7 +246,13 @@ class HostPlugin(WorkerPlugin):
     async def _handle_stream(self, comm: Any, files: dict | None = None) -> Any:
         """A driver's call stream (:func:`daskwg.plugin.stream.serve`)."""
         return await stream.serve(
-            comm, self.direct.start, self.results.free, self._plans.start, self.results.packed, files
+            comm,
+            self.direct.start,
+            self.results.free,
+            self._plans.start,
+            self.results.packed,
+            files,
+            self.leader,
         )
 
     def _handle_cancel(self, session: str, seqs: list[int]) -> list[str]:

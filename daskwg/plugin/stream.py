@@ -26,8 +26,17 @@ from ..errors import safe_str
 from ..serialization import pickling as serialization
 from ..wire import memfiles
 from ..wire.frames import FrameStream
-from ..wire.messages import CallMessage, FetchMessage, FreeMessage, PlanMessage, Reply
+from ..wire.messages import (
+    FANOUT,
+    CallMessage,
+    FanoutMessage,
+    FetchMessage,
+    FreeMessage,
+    PlanMessage,
+    Reply,
+)
 from .direct import Outcome
+from .leader import HostLeader
 
 __all__ = ["serve"]
 
@@ -41,6 +50,7 @@ async def serve(
     start_plan: Callable[..., None],
     fetch: Callable[..., Awaitable[serialization.Packed]],
     files: dict | None = None,
+    leader: HostLeader | None = None,
 ) -> Any:
     """Serve one call stream until the driver closes it.
 
@@ -57,6 +67,9 @@ async def serve(
             (``daskwg.transport.streams``): this side answers whether it maps the driver's
             files (with ``daskwg.shared-memory`` on here too) and with its own probe; the
             driver's ``("files", 0, ok)`` says whether it maps this side's.
+        leader: this worker's :class:`~daskwg.plugin.leader.HostLeader`, for a
+            :class:`~daskwg.wire.messages.FanoutMessage` (``None``: its calls are answered
+            with an error).
 
     Returns:
         ``Status.dont_reply`` (replies go out as calls finish).
@@ -79,6 +92,8 @@ async def serve(
             _one(frames, lock, CallMessage.from_wire(message), buffers, start)
         elif kind == "plan":
             _plan(frames, lock, PlanMessage.from_wire(message), buffers, start_plan)
+        elif kind == "fanout":
+            _fanout(frames, lock, FanoutMessage.from_wire(message), buffers, start, leader)
         elif kind == "fetch":
             asyncio.ensure_future(_fetch(frames, lock, FetchMessage.from_wire(message), fetch))
         elif kind == "free":
@@ -113,6 +128,53 @@ def _one(frames: FrameStream, lock: asyncio.Lock, message: CallMessage, buffers:
     except Exception as exc:  # noqa: BLE001 - start answers its own errors; this is a defect
         logger.exception("daskwg call stream: call %s failed outside the host", message.call)
         reply(Outcome("error", error=RuntimeError(f"daskwg's host failed: {exc!r}")))
+
+
+def _fanout(
+    frames: FrameStream,
+    lock: asyncio.Lock,
+    message: FanoutMessage,
+    buffers: list,
+    start: Any,
+    leader: HostLeader | None,
+) -> None:
+    """A host leader's message (``daskwg.plugin.leader``): its calls handed on, their
+    answers gathered into :data:`~daskwg.wire.messages.FANOUT` replies."""
+    cid = message.cid
+    loop = asyncio.get_running_loop()
+
+    def send(records: list, out_buffers: list) -> None:
+        _send(frames, lock, loop, Reply(cid, FANOUT, header=pickle.dumps(records)), out_buffers)
+
+    def start_own(call: CallMessage, payload: list, answer: Any, index: int) -> None:
+        def reply(outcome: Outcome) -> None:
+            fields, out = _fields(outcome)
+            answer(index, fields, out)
+
+        try:
+            start(call, serialization.Packed(call.header, payload), reply)
+        except Exception as exc:  # noqa: BLE001 - start answers its own errors; this is a defect
+            logger.exception("daskwg call stream: call %s failed outside the host", call.call)
+            reply(Outcome("error", error=RuntimeError(f"daskwg's host failed: {exc!r}")))
+
+    if leader is None:
+        error = _pickled(RuntimeError("this daskwg worker takes no host leader's messages"))
+        send([(i, ("error", None, error, None, None), 0) for i in range(len(message.members))], [])
+        return
+    leader.start(message, buffers, start_own, send)
+
+
+def _fields(outcome: Outcome) -> tuple[tuple, list]:
+    """An outcome as a reply's ``(status, nbytes, error, header, info)`` and its buffers."""
+    error, result = outcome.error, outcome.result
+    fields = (
+        outcome.status,
+        outcome.nbytes,
+        None if error is None else _pickled(error),
+        None if result is None else result.header,
+        outcome.info,
+    )
+    return fields, [] if result is None else result.buffers
 
 
 def _send(

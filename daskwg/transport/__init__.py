@@ -16,6 +16,7 @@ strictly in that order.
   call is written.
 * ``streams``: call streams, one connection per worker process and driver loop.
 * ``direct``: the direct path, blocking calls on the call streams (one round trip).
+* ``leader``: the direct path through host leaders, one message per host (``daskwg.fan-out``).
 * ``submit``: the submit path, non-blocking calls on the call streams, one future per rank.
 * ``planned``: the plan path, one replay of a step plan as one message per worker.
 * ``tasks``: the task path, calls taking futures no group call made, as Dask tasks.

@@ -122,19 +122,7 @@ class DirectPath:
         refs = refs or [None] * len(calls)
         loop = asyncio.get_running_loop()
         sent = [loop.create_future() for _ in calls]
-        tasks = []
-        for c, p, r, s in zip(calls, payloads, refs, sent):
-            # A small call on an open stream is written here and now; its reply settles a
-            # future (no task, no lock, no wait for the write per rank).
-            replied = self._send_now(streams, c, p, r, relay_wait, loop)
-            if replied is None:
-                replied = asyncio.ensure_future(self._one(streams, c, p, r, relay_wait, s))
-            elif streams.backlogged(self.ranks.address(c.rank), c.worker_id):
-                # Not all of it went at once: on its way once the loop wrote the rest.
-                asyncio.ensure_future(_when_drained(streams, self.ranks.address(c.rank), c.worker_id, s))
-            else:
-                s.set_result(None)
-            tasks.append(replied)
+        tasks = self._start_all(streams, calls, payloads, refs, relay_wait, sent)
         if on_sent is not None:
             writing = [s for s in sent if not s.done()]
             if writing:  # bounded: a worker may not be reading
@@ -216,6 +204,33 @@ class DirectPath:
                 self.ranks, pool, calls, done, limit, time.monotonic() - t0, options.status_timeout
             )
         return [t.result() for t in tasks]
+
+    def _start_all(
+        self,
+        streams: CallStreams,
+        calls: list[Call],
+        payloads: list[serialization.Packed],
+        refs: list,
+        relay_wait: float,
+        sent: list[asyncio.Future],
+    ) -> list[asyncio.Future]:
+        """Write every call (one message per rank); per call, the future of its outcome.
+        Each of ``sent`` is set once its call is on its way (or its writing failed)."""
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for c, p, r, s in zip(calls, payloads, refs, sent):
+            # A small call on an open stream is written here and now; its reply settles a
+            # future (no task, no lock, no wait for the write per rank).
+            replied = self._send_now(streams, c, p, r, relay_wait, loop)
+            if replied is None:
+                replied = asyncio.ensure_future(self._one(streams, c, p, r, relay_wait, s))
+            elif streams.backlogged(self.ranks.address(c.rank), c.worker_id):
+                # Not all of it went at once: on its way once the loop wrote the rest.
+                asyncio.ensure_future(_when_drained(streams, self.ranks.address(c.rank), c.worker_id, s))
+            else:
+                s.set_result(None)
+            tasks.append(replied)
+        return tasks
 
     async def _wait(self, calls: list[Call], tasks: list, limit: Limit | None, poll: float) -> list[int]:
         """Wait until every task is done, one failed or ``limit`` passed; or until the

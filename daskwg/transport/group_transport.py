@@ -33,6 +33,7 @@ from .failure import forensics
 from .failure.heartbeat import Heartbeats
 from .failure.state import FailureState
 from .failure.waiting import Waiter
+from .leader import AUTO_MAX_BYTES, AUTO_RANKS, LeaderPath
 from .submit import SubmitPath
 from .tasks import TaskPath
 
@@ -73,6 +74,11 @@ class GroupTransport:
         self.ranks = GroupRanks(client, driver, tuple(slots), name, group_id, owner)
         self.failures = FailureState(self.ranks)
         self.direct = DirectPath(self.ranks, self.failures)
+        #: ``daskwg.fan-out``'s paths through host leaders: ``host`` and ``auto``.
+        self.leaders = {
+            "host": LeaderPath(self.ranks, self.failures),
+            "auto": LeaderPath(self.ranks, self.failures, AUTO_RANKS, AUTO_MAX_BYTES),
+        }
         self.submit = SubmitPath(self.ranks, self.failures)
         self.tasks = TaskPath(self.ranks, keep_running=detached)
         self.waiter = Waiter(self.ranks, self.failures)
@@ -261,12 +267,15 @@ class GroupTransport:
             relay_wait=settings.relay_wait,
             on_sent=None if held is None else held.release,
         )
+        path = self.direct
+        if settings.fan_out != "direct" and not raw_payload and not any(refs) and len(calls) > 1:
+            path = self.leaders[settings.fan_out]
         try:
             if channel is None:
                 client = self.ranks.client
-                return client.sync(self.direct.send, client.rpc, driver.streams, calls, packed, refs, options)
+                return client.sync(path.send, client.rpc, driver.streams, calls, packed, refs, options)
             return channel.run(
-                self.direct.send(channel.pool, channel.streams, calls, packed, refs, options), fresh=False
+                path.send(channel.pool, channel.streams, calls, packed, refs, options), fresh=False
             )
         except (KeyboardInterrupt, asyncio.CancelledError):
             failures.abandon_calls(calls, "interrupted")

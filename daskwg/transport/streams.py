@@ -32,7 +32,7 @@ from ..config import Settings
 from ..wire import local_link, memfiles
 from ..wire.frames import FrameStream
 from ..wire.memfiles import same_host
-from ..wire.messages import Handler
+from ..wire.messages import FANOUT, Handler
 
 __all__ = ["CallStreams", "StreamClosed"]
 
@@ -146,9 +146,15 @@ class _Stream:
         try:
             while True:
                 reply, buffers = await frames.read()
-                callback = self.pending.pop(reply[1], None)
-                if callback is not None:
-                    callback(reply, buffers)
+                if reply[2] == FANOUT:
+                    # A host leader answers in parts: its handler says when it has all.
+                    callback = self.pending.get(reply[1])
+                    if callback is not None and callback(reply, buffers):
+                        self.pending.pop(reply[1], None)
+                else:
+                    callback = self.pending.pop(reply[1], None)
+                    if callback is not None:
+                        callback(reply, buffers)
                 # Not kept until the next reply comes (which may be never): the callback
                 # holds its call's outcome, a failed call's error (whose traceback holds the
                 # caller's frames and arguments), and the buffers a result.

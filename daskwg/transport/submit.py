@@ -26,6 +26,7 @@ from ..wire.messages import Call
 from .call_future import CallFuture
 from .driver import GroupRanks, TaskCall
 from .failure.state import TRANSFER_ERRORS, FailureState, transfer_error
+from .leader import HostSubmit
 
 __all__ = ["SubmitPath"]
 
@@ -45,6 +46,8 @@ class SubmitPath:
     def __init__(self, ranks: GroupRanks, failures: FailureState):
         self.ranks = ranks
         self.failures = failures
+        #: ``daskwg.fan-out``'s part: calls to hosts with several ranks through their leaders.
+        self.leaders = HostSubmit(ranks, failures, self._reply)
 
     def submit(
         self,
@@ -89,6 +92,10 @@ class SubmitPath:
                     pickle.dumps(call_refs) if call_refs else None,
                 )
                 messages.append((key, message.to_wire(), buffers))
+            if settings.fan_out != "direct" and len(calls) > 1 and not any(refs):
+                keys = [m[0] for m in messages]
+                rest = self.leaders.send(calls, keys, payloads, settings, big, OPENING_WAIT)
+                calls, messages = [calls[i] for i in rest], [messages[i] for i in rest]
             # Wait until the messages are written when they are large (they are not copied)
             # or when a stream must be opened first: a driver that closes its client right
             # after queuing calls (a script's last lines) would otherwise stop the client's
@@ -96,7 +103,7 @@ class SubmitPath:
             # On open streams the write runs before anything the caller does next on the loop.
             # Waiting for a stream to open is bounded by OPENING_WAIT.
             opening = any(not driver.streams.is_open(ranks.address(c.rank), c.worker_id) for c in calls)
-            written = threading.Event() if big or opening else None
+            written = threading.Event() if calls and (big or opening) else None
             if written is None:
                 # Small calls on open streams are written from this thread, no hop to the loop.
                 calls, messages = self._send_now(calls, messages)
@@ -107,7 +114,7 @@ class SubmitPath:
             for call in calls:
                 ranks.client.loop.add_callback(self._skip, call)
             raise
-        if big:
+        if big and written is not None:
             written.wait()
         elif written is not None:
             # Bounded: a worker that cannot be reached fails these futures, not this call.

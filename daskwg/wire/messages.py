@@ -51,6 +51,9 @@ __all__ = [
     "PlanMessage",
     "FetchMessage",
     "FreeMessage",
+    "FanoutMessage",
+    "FANOUT",
+    "LOST",
     "Reply",
 ]
 
@@ -58,7 +61,7 @@ __all__ = [
 #: below, the handlers' arguments and answers). Raise it with any change a worker of the
 #: previous release could misread; the ``__init__`` call of every group carries the
 #: driver's, and a worker with another refuses to build the rank.
-WIRE_FORMAT = 6
+WIRE_FORMAT = 7
 
 #: The name the host plugin is registered under on every worker (``worker.plugins[...]``).
 PLUGIN_NAME = "daskwg"
@@ -481,6 +484,54 @@ class FreeMessage:
         return cls(list(message[2]))
 
 
+#: The status of a host leader's :class:`Reply` to a :class:`FanoutMessage`: its ``header``
+#: is the pickled list of ``(member index, (status, nbytes, error, header, info), number of
+#: buffers)`` of the members' answers it carries, their buffers beside it in that order. A
+#: leader may answer one message several times (a member's error at once, the rest when all
+#: ended): the driver keeps the message's reply handler until every member has answered.
+FANOUT = "fanout"
+#: A member's status in a :data:`FANOUT` reply when the leader's stream to its worker closed
+#: before it answered (the worker is gone): its ``error`` is the reason, as text.
+LOST = "lost"
+
+
+@dataclass(frozen=True, slots=True)
+class FanoutMessage:
+    """Calls to several ranks of one host, sent to one worker of that host (the host
+    leader, ``daskwg.plugin.leader``), which hands each to its rank's worker over that host's
+    own call streams (Unix-domain sockets) and answers for all of them (Monarch's meshes send
+    to a host once the same way). On the wire (:meth:`to_wire`): ``("fanout", cid, members,
+    headers, counts)``, the payloads' buffers beside it, payload after payload.
+
+    Attributes:
+        members: per call, ``(address, server_id, call fields, payload index, key, inline,
+            relay_wait)``: the worker process it is meant for, the :class:`Call`
+            (:meth:`Call.to_wire`), which payload holds its arguments, and
+            :class:`CallMessage`'s ``key``, ``inline`` and ``relay_wait``.
+        headers: the distinct payloads' pickle headers (a ``ONE_TO_ALL`` call's one payload
+            travels once for the whole host).
+        counts: per payload, how many of the message's buffers are its.
+        cid: the stream's id of the message (see :class:`CallMessage`).
+
+    Its replies have ``status`` :data:`FANOUT`.
+    """
+
+    members: list[tuple]
+    headers: list[bytes]
+    counts: list[int]
+    cid: int = 0
+
+    def to_wire(self) -> tuple:
+        """The message as the stream carries it; :meth:`from_wire` reads it back."""
+        return ("fanout", self.cid, self.members, self.headers, self.counts)
+
+    @classmethod
+    def from_wire(cls, message: tuple) -> FanoutMessage:
+        """The record of a ``("fanout", ...)`` message (:meth:`to_wire`)."""
+        _, cid, members, headers, counts = message
+        return cls(members, headers, counts, cid)
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to message ``cid`` on a call stream, the result's buffers beside it. On
@@ -489,7 +540,8 @@ class Reply:
     Attributes:
         cid: the answered message's id on the stream.
         status: ``"OK"``, ``"error"`` (``error``: the pickled exception), ``"cancelled"``,
-            or ``"plan"`` for a :class:`PlanMessage`'s.
+            ``"plan"`` for a :class:`PlanMessage`'s, or :data:`FANOUT` for a
+            :class:`FanoutMessage`'s.
         nbytes: the kept result's size in bytes (``None``: not known).
         error: the pickled exception of a failed call.
         header: the result's pickle header when the result comes with the reply.
