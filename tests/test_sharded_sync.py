@@ -132,6 +132,15 @@ def test_every_rollout_rank_holds_the_trainers_full_weights_after_a_sync(groups,
 
 
 @routes
+def test_a_sync_after_a_training_step_brings_the_new_weights(groups, collective, same_host):
+    trainer, rollout = groups
+    sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    trainer.train()
+    _, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
+
+
+@routes
 def test_a_trainer_rank_sends_its_shard_once_to_four_rollout_ranks(groups, collective, same_host):
     trainer, rollout = groups
     sent, _ = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)

@@ -129,6 +129,10 @@ _previous: dict[str, dict[str, Any]] = {}  # collective name -> piece name -> la
 _received: dict[str, dict[int, list[Piece]]] = {}  # collective name -> trainer rank -> pieces
 # collective name -> (the member it was found for, same_host asked, trainer pids or None)
 _routes: dict[str, tuple[Any, bool, list[int] | None]] = {}
+# same-host route: collective name -> (member, the header this trainer rank sent last)
+_lent: dict[str, tuple[Any, bytes]] = {}
+# same-host route: collective name -> (member, trainer rank -> the header it sent last)
+_kept: dict[str, tuple[Any, dict[int, dict]]] = {}
 
 
 def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[Piece, Any]]:
@@ -435,15 +439,28 @@ def _lend_shard(
     locals_ = [local if local.device.type == "cpu" else local.cpu() for _, local in pieces]
     header = {**header, "addresses": [t.data_ptr() if c else 0 for t, c in zip(locals_, changed)]}
     rollouts = range(senders, member.spec.world_size)
-    works = []
+    text = json.dumps(header).encode()
+    with _lock:
+        last = _lent.pop(member.spec.name, None)
+    # One message per rollout rank says "ready": the header's length, or 0 where the header
+    # is the one this rank sent last time (the same tensors at the same addresses, as an
+    # optimizer leaves them): the rollout rank kept it, so a sync costs one message each way.
+    fresh = last is None or last[0] is not member or last[1] != text
+    ready = torch.tensor([len(text) if fresh else 0], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    works: list = [_Keep(ready, payload)]
     for rank in rollouts:
-        sent, posted = _post_header(member, header, rank)
-        report.sent_bytes += sent
-        works += posted
+        works.append(member.group.send([ready], rank, _HEADER_TAG))
+        report.sent_bytes += ready.nbytes
+        if fresh:
+            works.append(member.group.send([payload], rank, _HEADER_TAG + 1))
+            report.sent_bytes += payload.numel()
     acks = [torch.zeros(1, dtype=torch.int64) for _ in rollouts]
     works += [member.group.recv([ack], rank, _ACK_TAG) for ack, rank in zip(acks, rollouts)]
-    for work in works:
+    for work in reversed(works):
         collective._wait(member, work, "weight sync")
+    with _lock:
+        _lent[member.spec.name] = (member, text)
     del locals_
 
 
@@ -455,7 +472,7 @@ def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], receiv
 
     report.route = "same-host"
     senders = len(pids)
-    for source, header in enumerate(_receive_headers(member, range(senders))):
+    for source, header in enumerate(_receive_lent(member, senders)):
         pieces = []
         for (name, dtype, shape, offset, numel, changed), address in zip(
             header["pieces"], header["addresses"]
@@ -478,6 +495,33 @@ def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], receiv
     works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
     for work in works:
         collective._wait(member, work, "weight sync")
+
+
+def _receive_lent(member: Any, senders: int) -> list[dict]:
+    """Every trainer rank's "ready" message (all posted at once) and, where it says the
+    header changed, the header; else the one kept from that rank's last sync."""
+    import torch
+
+    readies = [torch.zeros(1, dtype=torch.int64) for _ in range(senders)]
+    for work in [member.group.recv([r], source, _HEADER_TAG) for source, r in enumerate(readies)]:
+        collective._wait(member, work, "weight sync")
+    with _lock:
+        kept = _kept.get(member.spec.name)
+    headers = dict(kept[1]) if kept is not None and kept[0] is member else {}
+    payloads = {source: torch.empty(int(r), dtype=torch.uint8) for source, r in enumerate(readies) if int(r)}
+    for work in [member.group.recv([p], source, _HEADER_TAG + 1) for source, p in payloads.items()]:
+        collective._wait(member, work, "weight sync")
+    for source, payload in payloads.items():
+        headers[source] = json.loads(payload.numpy().tobytes())
+    missing = [source for source in range(senders) if source not in headers]
+    if missing:
+        raise RuntimeError(
+            f"weight sync on collective {member.spec.name!r}: trainer ranks {missing} sent no header "
+            "and this rank kept none from their last sync; call daskwg.sync.forget on every member"
+        )
+    with _lock:
+        _kept[member.spec.name] = (member, headers)
+    return [headers[source] for source in range(senders)]
 
 
 def _writes(targets: list[Any]) -> Any:
@@ -548,20 +592,6 @@ class _Keep:
         return True
 
 
-def _receive_headers(member: Any, sources: Any) -> list[dict]:
-    """The headers of every rank of ``sources``, received concurrently."""
-    import torch
-
-    sources = list(sources)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=_device(member)) for _ in sources]
-    for work in [member.group.recv([n], s, _HEADER_TAG) for n, s in zip(lengths, sources)]:
-        collective._wait(member, work, "weight sync")
-    payloads = [torch.empty(int(n), dtype=torch.uint8, device=_device(member)) for n in lengths]
-    for work in [member.group.recv([p], s, _HEADER_TAG + 1) for p, s in zip(payloads, sources)]:
-        collective._wait(member, work, "weight sync")
-    return [json.loads(p.cpu().numpy().tobytes()) for p in payloads]
-
-
 def _receive_header(member: Any, previous: int) -> dict:
     import torch
 
@@ -612,8 +642,9 @@ def assembled_digests(params: Mapping[str, Any], group_name: str) -> list[str]:
 
 def forget(group_name: str) -> None:
     """Drop what this process keeps for collective ``group_name`` (delta copies, manifests,
-    the route found)."""
+    the route found, the headers sent and kept): call it on every member of the collective
+    at once, as a rank that forgot the headers it kept cannot take a sync whose trainer
+    ranks did not."""
     with _lock:
-        _previous.pop(group_name, None)
-        _received.pop(group_name, None)
-        _routes.pop(group_name, None)
+        for kept in (_previous, _received, _routes, _lent, _kept):
+            kept.pop(group_name, None)
