@@ -113,15 +113,27 @@ class Trainer(Worker):
         self.model(torch.randn(4, self.model[0].in_features)).square().sum().backward()
         optimizer.step()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def probe(self):
+        """This process's ``peer_memory`` probe (pid, a word's address, its token)."""
+        from daskwg.sync import peer_memory
+
+        return peer_memory.local_probe()
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def send(self, name: str, bucket_bytes: int, delta: bool = False) -> dict:
+    def send(self, name: str, bucket_bytes: int, delta: bool = False, same_host: bool = True) -> dict:
         """Send this rank's shards; the report, the shard digest, the bytes its sockets
         sent meanwhile and how far its peak RSS rose."""
         state = self.model.state_dict()
         sent = egress_bytes()
         report, growth = rss_peak_growth(
             lambda: sync.send_shards(
-                state, name, senders=self.world_size, bucket_bytes=bucket_bytes, delta=delta
+                state,
+                name,
+                senders=self.world_size,
+                bucket_bytes=bucket_bytes,
+                delta=delta,
+                same_host=same_host,
             )
         )
         return {
@@ -144,9 +156,11 @@ class Rollout(Worker):
                 p.zero_()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def receive(self, name: str, senders: int) -> dict:
+    def receive(self, name: str, senders: int, same_host: bool = True) -> dict:
         params = self.model.state_dict()
-        report, growth = rss_peak_growth(lambda: sync.receive_shards(params, name, senders=senders))
+        report, growth = rss_peak_growth(
+            lambda: sync.receive_shards(params, name, senders=senders, same_host=same_host)
+        )
         digest = hashlib.sha256()
         for key, value in params.items():
             digest.update(key.encode())

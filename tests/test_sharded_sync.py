@@ -7,6 +7,7 @@ groups serve the module; each test declares its own collective.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -17,6 +18,7 @@ from sync_workers import Rollout, Trainer
 
 import daskwg
 from daskwg.serialization.dtensor import LocalShard
+from daskwg.sync import peer_memory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,9 +40,9 @@ def groups():
         rollout.shutdown()
 
 
-def sync(trainer, rollout, name: str, bucket_bytes: int, delta: bool = False):
-    sent = trainer.send(name, bucket_bytes, delta)
-    got = rollout.receive(name, trainer.world_size)
+def sync(trainer, rollout, name: str, bucket_bytes: int, delta: bool = False, same_host: bool = True):
+    sent = trainer.send(name, bucket_bytes, delta, same_host)
+    got = rollout.receive(name, trainer.world_size, same_host)
     return daskwg.get([sent, got])
 
 
@@ -115,29 +117,46 @@ def collective(groups):
         yield group.name
 
 
-def test_every_rollout_rank_holds_the_trainers_full_weights_after_a_sync(groups, collective):
+#: Every guarantee holds on both routes: the same-host one (each rollout rank reads the
+#: trainer ranks' memory) and the chain on the collective's sockets (ranks on other hosts).
+routes = pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "chain"])
+
+
+@routes
+def test_every_rollout_rank_holds_the_trainers_full_weights_after_a_sync(groups, collective, same_host):
     trainer, rollout = groups
-    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096)
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
     full = trainer.full_digest()[0]
     assert [r["full_digest"] for r in got] == [full] * 4
     assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
 
 
-def test_a_trainer_rank_sends_its_shard_once_to_four_rollout_ranks(groups, collective):
+@routes
+def test_a_sync_after_a_training_step_brings_the_new_weights(groups, collective, same_host):
     trainer, rollout = groups
-    sent, _ = sync(trainer, rollout, collective, bucket_bytes=4096)
+    sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    trainer.train()
+    _, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
+
+
+@routes
+def test_a_trainer_rank_sends_its_shard_once_to_four_rollout_ranks(groups, collective, same_host):
+    trainer, rollout = groups
+    sent, _ = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
     for report in sent:
         assert report["egress"] <= 1.25 * report["shard_bytes"], report
 
 
-def test_the_sync_grows_a_ranks_peak_memory_by_about_one_bucket(groups, collective):
+@routes
+def test_the_sync_grows_a_ranks_peak_memory_by_about_one_bucket(groups, collective, same_host):
     trainer, rollout = groups
     bucket = 1 << 20
     # a model of 4 x (1024 x 1024) floats: 8 MiB of shard per trainer rank, 16 MiB per rollout rank
     trainer.init(1024, 4)
     rollout.init(1024, 4)
     try:
-        sent, got = sync(trainer, rollout, collective, bucket_bytes=bucket)
+        sent, got = sync(trainer, rollout, collective, bucket_bytes=bucket, same_host=same_host)
         assert all(r["shard_bytes"] >= 8 * bucket for r in sent)
         for report in sent + got:
             assert report["rss_growth"] <= 2 * bucket + (2 << 20), report
@@ -146,18 +165,36 @@ def test_the_sync_grows_a_ranks_peak_memory_by_about_one_bucket(groups, collecti
         rollout.init(WIDTH, LAYERS)
 
 
-def test_a_delta_sync_sends_only_changed_shards_and_equals_a_full_sync(groups, collective):
+@routes
+def test_a_delta_sync_sends_only_changed_shards_and_equals_a_full_sync(groups, collective, same_host):
     trainer, rollout = groups
-    sync(trainer, rollout, collective, bucket_bytes=4096, delta=True)
+    sync(trainer, rollout, collective, bucket_bytes=4096, delta=True, same_host=same_host)
     trainer.train()  # layers 0 and 1 are frozen: half the bytes do not change
-    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, delta=True)
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, delta=True, same_host=same_host)
     assert all(0 < r["changed_bytes"] <= r["shard_bytes"] // 2 for r in sent)
     full = trainer.full_digest()[0]
     assert [r["full_digest"] for r in got] == [full] * 4
     assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
 
 
+def test_ranks_of_one_host_take_the_same_host_route_and_may_be_kept_on_the_chain(groups, collective):
+    trainer, rollout = groups
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096)
+    assert {r["route"] for r in sent + got} == {"same-host"}
+    assert all(r["buckets"] == 0 for r in sent + got)
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=False)
+    assert {r["route"] for r in sent + got} == {"chain"}
+
+
 def test_a_sync_with_no_rollout_rank_left_says_how_the_members_are_counted(groups, collective):
     _, rollout = groups
     with pytest.raises(daskwg.RankError, match="at least one rollout rank follows them"):
         daskwg.get(rollout.receive(collective, 6))
+
+
+def test_a_process_is_readable_only_where_its_probe_reads_back_with_its_token(groups):
+    trainer, _ = groups
+    probe = trainer.probe()[0]
+    assert peer_memory.can_read(probe)
+    assert not peer_memory.can_read(dataclasses.replace(probe, token=probe.token ^ 1))
+    assert not peer_memory.can_read(dataclasses.replace(probe, address=8))

@@ -2,7 +2,10 @@
 
 * ``shards``: the sharded sync: each trainer rank sends only its own FSDP shards (DTensor
   local tensors with their place in the full tensor), bucketed, along a chain of the
-  rollout ranks on a daskwg collective; optionally only the shards that changed.
+  rollout ranks on a daskwg collective, or on one host straight from the trainer ranks'
+  memory; optionally only the shards that changed.
+* ``peer_memory``: reading another process's memory on the same host
+  (``process_vm_readv``), and finding out whether this process may.
 
 Rank code uses the names of ``shards`` from here: ``daskwg.sync.send_shards``,
 ``daskwg.sync.receive_shards``, ``daskwg.sync.shard_digest``,

@@ -8,29 +8,41 @@ mesh) with where they sit in the full tensor, and each rollout rank writes the p
 every trainer rank straight into its own parameters. No rank materialises the full model
 to send it, and no byte passes through the driver.
 
-The route is a daskwg collective (:func:`daskwg.create_collective_group`) whose members
-are the trainer ranks (collective ranks ``0..senders-1``) and then the rollout ranks.
-Trainer rank ``i``'s stream goes along a chain of the rollout ranks: ``i`` sends it to the
-first one, each forwards what it received to the next while it copies it into its
-parameters, so the shard leaves its trainer rank once whatever the number of rollout
-ranks (as the chain broadcast of :mod:`daskwg.collective` does for one source). Each
-stream is:
+The sync runs on a daskwg collective (:func:`daskwg.create_collective_group`) whose members
+are the trainer ranks (collective ranks ``0..senders-1``) and then the rollout ranks. It
+takes one of two routes, the same on every member (found on the first sync of a collective
+by two small collectives, see ``_route``):
 
-1. a header (JSON): the bucket size, and per entry its name, dtype, full shape, flat
-   element offset of the piece in the full tensor, element count and whether it changed;
+**Same host** (every member on one host, a gloo collective, and each rollout rank allowed to
+read the trainer ranks' memory: :mod:`daskwg.sync.peer_memory`). Each trainer rank sends
+every rollout rank a header (JSON: per entry its name, dtype, full shape, flat element
+offset of the piece in the full tensor, element count, whether it changed, and where its
+bytes are in the trainer's memory) and waits for each rollout rank's acknowledgement; each
+rollout rank takes the headers of all trainer ranks at once and copies each piece straight
+from the trainer's memory into its slice of its parameters (``process_vm_readv``, as MPI's
+CMA does). One copy per byte received, no buffer on either side, nothing on a socket but
+the headers: a trainer rank's memory does not grow at all, and its shard "leaves" it once
+per rollout rank only as memory reads on the host.
+
+**Chain** (anything else: ranks on several hosts, NCCL, ``same_host=False``). Trainer rank
+``i``'s stream goes along a chain of the rollout ranks: ``i`` sends it to the first one,
+each forwards what it received to the next while it copies it into its parameters, so the
+shard leaves its trainer rank once whatever the number of rollout ranks (as the chain
+broadcast of :mod:`daskwg.collective` does for one source). Each stream is:
+
+1. the header (without addresses) and the bucket size;
 2. the bytes of the changed entries, back to back, cut into buckets of ``bucket_bytes``.
 
 A trainer rank packs one bucket at a time into one buffer and waits until it left before
 packing the next, so its memory grows by one bucket whatever the model's size; a rollout
-rank receives into one buffer of a bucket. With ``delta=True`` a trainer rank keeps a
-copy of the shard it last sent and sends only the entries that differ from it (a frozen
-layer, an embedding no gradient touched): the header says which, and
-:func:`shard_digest` / :func:`assembled_digests` prove that the rollout's weights equal
-the trainer's, as a full sync would leave them.
+rank receives into one buffer of a bucket. The trainer ranks' streams are received one
+after another, so a sync takes about the time of one transfer of the whole model through a
+rollout rank's link, plus a bucket per rollout rank along the chain.
 
-The trainer ranks' streams are received one after another, so a sync takes about the time
-of one transfer of the whole model through a rollout rank's link, plus a bucket per
-rollout rank along the chain.
+With ``delta=True`` a trainer rank keeps a copy of the shard it last sent and sends only the
+entries that differ from it (a frozen layer, an embedding no gradient touched): the header
+says which, and :func:`shard_digest` / :func:`assembled_digests` prove that the rollout's
+weights equal the trainer's, as a full sync would leave them.
 
 Rank code::
 
@@ -51,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import collective
+from . import peer_memory
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -67,7 +80,7 @@ __all__ = [
 #: to a model, large enough that a bucket's round trip costs little next to its transfer.
 DEFAULT_BUCKET_BYTES = 16 << 20
 
-_HEADER_TAG, _BUCKET_TAG = 0, 2
+_HEADER_TAG, _BUCKET_TAG, _ACK_TAG = 0, 2, 3
 
 
 @dataclass(frozen=True)
@@ -99,18 +112,27 @@ class SyncReport:
         shard_bytes: bytes of this rank's pieces (trainer) or of the pieces it received
             (rollout), changed or not.
         changed_bytes: bytes of the pieces that travelled (all of them unless ``delta``).
-        buckets: buckets sent (trainer) or received (rollout).
+        buckets: buckets sent (trainer) or received (rollout); 0 on the same-host route.
+        route: ``"same-host"`` (each rollout rank read the pieces from the trainer ranks'
+            memory) or ``"chain"`` (the pieces travelled on the collective's sockets).
     """
 
     sent_bytes: int = 0
     shard_bytes: int = 0
     changed_bytes: int = 0
     buckets: int = 0
+    route: str = "chain"
 
 
 _lock = threading.Lock()
 _previous: dict[str, dict[str, Any]] = {}  # collective name -> piece name -> last sent copy
 _received: dict[str, dict[int, list[Piece]]] = {}  # collective name -> trainer rank -> pieces
+# collective name -> (the member it was found for, same_host asked, trainer pids or None)
+_routes: dict[str, tuple[Any, bool, list[int] | None]] = {}
+# same-host route: collective name -> (member, the header this trainer rank sent last)
+_lent: dict[str, tuple[Any, bytes]] = {}
+# same-host route: collective name -> (member, trainer rank -> the header it sent last)
+_kept: dict[str, tuple[Any, dict[int, dict]]] = {}
 
 
 def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[Piece, Any]]:
@@ -210,6 +232,7 @@ def send_shards(
     senders: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     delta: bool = False,
+    same_host: bool = True,
 ) -> SyncReport:
     """Send this trainer rank's pieces of ``state_dict`` to every rollout rank of collective
     ``group_name`` (run :func:`receive_shards` on the rollout ranks at the same time).
@@ -223,6 +246,9 @@ def send_shards(
             bucket.
         delta: send only the pieces that changed since this rank's last sync on
             ``group_name`` (keeps a copy of this rank's shard for the comparison).
+        same_host: take the same-host route where it works (see the module's header);
+            ``False`` keeps the pieces on the collective's sockets. Pass the same value on
+            every member of the collective, every sync.
 
     Returns:
         a :class:`SyncReport`.
@@ -257,6 +283,13 @@ def send_shards(
             [p.name, p.dtype, list(p.shape), p.offset, p.numel, c] for (p, _), c in zip(pieces, changed)
         ],
     }
+    if _route(member, senders, same_host) is not None:
+        _lend_shard(member, senders, header, pieces, changed, report)
+        if previous is not None:
+            for (piece, local), c in zip(pieces, changed):
+                if c:
+                    previous[piece.name] = local.clone()
+        return report
     _, following = _chain(member, senders, member.rank)
     report.sent_bytes += _send_header(member, header, following)
     bucket = torch.empty(
@@ -283,7 +316,9 @@ def send_shards(
     return report
 
 
-def receive_shards(params: Mapping[str, Any], group_name: str, *, senders: int) -> SyncReport:
+def receive_shards(
+    params: Mapping[str, Any], group_name: str, *, senders: int, same_host: bool = True
+) -> SyncReport:
     """Receive every trainer rank's pieces into ``params``, in place, forwarding each
     stream to the next rollout rank of the chain.
 
@@ -293,6 +328,7 @@ def receive_shards(params: Mapping[str, Any], group_name: str, *, senders: int) 
             the trainer's shape and dtype.
         group_name: the collective of :func:`send_shards`.
         senders: number of trainer ranks.
+        same_host: as :func:`send_shards`'s (the same value on every member).
 
     Returns:
         a :class:`SyncReport` (``shard_bytes``: bytes of all pieces received).
@@ -312,6 +348,12 @@ def receive_shards(params: Mapping[str, Any], group_name: str, *, senders: int) 
         )
     report = SyncReport()
     received: dict[int, list[Piece]] = {}
+    pids = _route(member, senders, same_host)
+    if pids is not None:
+        _read_shards(member, params, pids, received, report)
+        with _lock:
+            _received[group_name] = received
+        return report
     for source in range(senders):
         previous, following = _chain(member, senders, source)
         header = _receive_header(member, previous)
@@ -343,6 +385,143 @@ def receive_shards(params: Mapping[str, Any], group_name: str, *, senders: int) 
     with _lock:
         _received[group_name] = received
     return report
+
+
+def _route(member: Any, senders: int, same_host: bool) -> list[int] | None:
+    """The trainer ranks' pids where this sync takes the same-host route, else ``None``.
+
+    Found once per collective (and ``same_host``), by every member in the same two small
+    collectives: an all-gather of each member's :class:`~daskwg.sync.peer_memory.Probe` and
+    whether it asks for the route (``same_host`` and a gloo collective: NCCL members hold
+    their tensors on GPUs), then an all-reduce (MIN) of whether every rollout rank could read
+    every trainer rank's probe. So all members take the same route, and the chain is kept
+    wherever one member is on another host, in another pid namespace, or may not read the
+    trainers' memory.
+    """
+    import torch
+    import torch.distributed as dist
+
+    with _lock:
+        cached = _routes.get(member.spec.name)
+    if cached is not None and cached[0] is member and cached[1] == same_host:
+        return cached[2]
+    probe = peer_memory.local_probe()
+    wants = same_host and member.backend == "gloo"
+    mine = torch.tensor([probe.pid, probe.address, probe.token, int(wants)], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(member.spec.world_size)]
+    collective._wait(member, member.group.allgather([everyone], [mine]), "weight sync")
+    able = all(int(e[3]) for e in everyone)
+    if able and member.rank >= senders:
+        able = all(
+            peer_memory.can_read(peer_memory.Probe(*(int(v) for v in everyone[s][:3])))
+            for s in range(senders)
+        )
+    agreed = torch.tensor([int(able)], dtype=torch.int64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    collective._wait(member, member.group.allreduce([agreed], options), "weight sync")
+    pids = [int(everyone[s][0]) for s in range(senders)] if int(agreed) else None
+    with _lock:
+        _routes[member.spec.name] = (member, same_host, pids)
+    return pids
+
+
+def _lend_shard(
+    member: Any, senders: int, header: dict, pieces: list, changed: list[bool], report: SyncReport
+) -> None:
+    """The trainer's side of the same-host route: tell every rollout rank where the changed
+    pieces are in this process's memory, and hold them unchanged until each one has read
+    them (its acknowledgement)."""
+    import torch
+
+    report.route = "same-host"
+    # A rollout rank reads host memory: a piece on a GPU is staged on the host (a copy of it).
+    locals_ = [local if local.device.type == "cpu" else local.cpu() for _, local in pieces]
+    header = {**header, "addresses": [t.data_ptr() if c else 0 for t, c in zip(locals_, changed)]}
+    rollouts = range(senders, member.spec.world_size)
+    text = json.dumps(header).encode()
+    with _lock:
+        last = _lent.pop(member.spec.name, None)
+    # One message per rollout rank says "ready": the header's length, or 0 where the header
+    # is the one this rank sent last time (the same tensors at the same addresses, as an
+    # optimizer leaves them): the rollout rank kept it, so a sync costs one message each way.
+    fresh = last is None or last[0] is not member or last[1] != text
+    ready = torch.tensor([len(text) if fresh else 0], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    works: list = [_Keep(ready, payload)]
+    for rank in rollouts:
+        works.append(member.group.send([ready], rank, _HEADER_TAG))
+        report.sent_bytes += ready.nbytes
+        if fresh:
+            works.append(member.group.send([payload], rank, _HEADER_TAG + 1))
+            report.sent_bytes += payload.numel()
+    acks = [torch.zeros(1, dtype=torch.int64) for _ in rollouts]
+    works += [member.group.recv([ack], rank, _ACK_TAG) for ack, rank in zip(acks, rollouts)]
+    for work in reversed(works):
+        collective._wait(member, work, "weight sync")
+    with _lock:
+        _lent[member.spec.name] = (member, text)
+    del locals_
+
+
+def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], received: dict, report) -> None:
+    """The rollout's side of the same-host route: take every trainer rank's header (all
+    posted at once), copy each changed piece from that trainer's memory straight into its
+    slice of ``params``, then acknowledge to every trainer rank."""
+    import torch
+
+    report.route = "same-host"
+    senders = len(pids)
+    for source, header in enumerate(_receive_lent(member, senders)):
+        pieces = []
+        for (name, dtype, shape, offset, numel, changed), address in zip(
+            header["pieces"], header["addresses"]
+        ):
+            piece = Piece(name, dtype, tuple(shape), offset, numel)
+            target = _target(params, piece)
+            pieces.append(piece)
+            report.shard_bytes += target.nbytes
+            if not changed:
+                continue
+            report.changed_bytes += target.nbytes
+            if target.device.type == "cpu":
+                peer_memory.read_into(pids[source], address, target.data_ptr(), target.nbytes)
+            else:
+                staged = torch.empty(target.shape, dtype=target.dtype)
+                peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
+                target.copy_(staged)
+        received[source] = pieces
+    done = torch.ones(1, dtype=torch.int64)
+    works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
+    for work in works:
+        collective._wait(member, work, "weight sync")
+
+
+def _receive_lent(member: Any, senders: int) -> list[dict]:
+    """Every trainer rank's "ready" message (all posted at once) and, where it says the
+    header changed, the header; else the one kept from that rank's last sync."""
+    import torch
+
+    readies = [torch.zeros(1, dtype=torch.int64) for _ in range(senders)]
+    for work in [member.group.recv([r], source, _HEADER_TAG) for source, r in enumerate(readies)]:
+        collective._wait(member, work, "weight sync")
+    with _lock:
+        kept = _kept.get(member.spec.name)
+    headers = dict(kept[1]) if kept is not None and kept[0] is member else {}
+    payloads = {source: torch.empty(int(r), dtype=torch.uint8) for source, r in enumerate(readies) if int(r)}
+    for work in [member.group.recv([p], source, _HEADER_TAG + 1) for source, p in payloads.items()]:
+        collective._wait(member, work, "weight sync")
+    for source, payload in payloads.items():
+        headers[source] = json.loads(payload.numpy().tobytes())
+    missing = [source for source in range(senders) if source not in headers]
+    if missing:
+        raise RuntimeError(
+            f"weight sync on collective {member.spec.name!r}: trainer ranks {missing} sent no header "
+            "and this rank kept none from their last sync; call daskwg.sync.forget on every member"
+        )
+    with _lock:
+        _kept[member.spec.name] = (member, headers)
+    return [headers[source] for source in range(senders)]
 
 
 def _writes(targets: list[Any]) -> Any:
@@ -379,15 +558,38 @@ def _target(params: Mapping[str, Any], piece: Piece) -> Any:
 
 
 def _send_header(member: Any, header: dict, following: int | None) -> int:
-    import torch
-
     if following is None:
         return 0
+    sent, works = _post_header(member, header, following)
+    for work in works:
+        collective._wait(member, work, "weight sync")
+    return sent
+
+
+def _post_header(member: Any, header: dict, to: int) -> tuple[int, list]:
+    """Start sending ``header`` to collective rank ``to``: (bytes, the works to wait for)."""
+    import torch
+
     payload = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(_device(member))
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=_device(member))
-    _send(member, length, following, _HEADER_TAG)
-    _send(member, payload, following, _HEADER_TAG + 1)
-    return 8 + payload.numel()
+    works = [
+        member.group.send([length], to, _HEADER_TAG),
+        member.group.send([payload], to, _HEADER_TAG + 1),
+    ]
+    # gloo sends from the tensors' memory until the works finish: keep them alive with them.
+    works.append(_Keep(length, payload))
+    return 8 + payload.numel(), works
+
+
+class _Keep:
+    """A finished 'work' that holds buffers alive until it is waited for."""
+
+    def __init__(self, *buffers: Any) -> None:
+        self.buffers = buffers
+
+    def wait(self, *_: Any) -> bool:
+        self.buffers = ()
+        return True
 
 
 def _receive_header(member: Any, previous: int) -> dict:
@@ -439,7 +641,10 @@ def assembled_digests(params: Mapping[str, Any], group_name: str) -> list[str]:
 
 
 def forget(group_name: str) -> None:
-    """Drop what this process keeps for collective ``group_name`` (delta copies, manifests)."""
+    """Drop what this process keeps for collective ``group_name`` (delta copies, manifests,
+    the route found, the headers sent and kept): call it on every member of the collective
+    at once, as a rank that forgot the headers it kept cannot take a sync whose trainer
+    ranks did not."""
     with _lock:
-        _previous.pop(group_name, None)
-        _received.pop(group_name, None)
+        for kept in (_previous, _received, _routes, _lent, _kept):
+            kept.pop(group_name, None)
