@@ -383,6 +383,20 @@ class PeakRSS:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
+class NoRSS:
+    """:class:`PeakRSS`'s interface without its polling thread, for the timed repetitions:
+    a thread that takes the GIL every millisecond in each of 8 processes on 2 cores delays
+    the GIL's hand-back after every socket wait (tens of ms per sync of a small model)."""
+
+    baseline = peak = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def timeit(fn, reps: int) -> list[float]:
     fn()  # warm-up
     out = []
@@ -1387,16 +1401,17 @@ def make_shard_class(Worker: type, register: Any, Dispatch: Any, Execute: Any) -
                 local.fill_(float(version))
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-        def send(self, group_name, senders, bucket):
+        def send(self, group_name, senders, bucket, watch=False):
             from daskwg import sync
 
-            tx0 = tcp_bytes()[1]
-            with PeakRSS() as mem:
+            # psutil's scan of the process's sockets takes milliseconds: only where watched.
+            tx0 = tcp_bytes()[1] if watch else 0
+            with PeakRSS() if watch else NoRSS() as mem:
                 start = time.perf_counter()
                 report = sync.send_shards(self.state, group_name, senders=senders, bucket_bytes=bucket)
                 end = time.perf_counter()
             return {
-                "tx": tcp_bytes()[1] - tx0,
+                "tx": tcp_bytes()[1] - tx0 if watch else 0,
                 "shard": report.shard_bytes,
                 "growth": mem.peak - mem.baseline,
                 "span": (start, end),
@@ -1412,10 +1427,10 @@ def make_shard_class(Worker: type, register: Any, Dispatch: Any, Execute: Any) -
             return sync.shard_digest(self.state, self.rank)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-        def receive(self, group_name, senders):
+        def receive(self, group_name, senders, watch=False):
             from daskwg import sync
 
-            with PeakRSS() as mem:
+            with PeakRSS() if watch else NoRSS() as mem:
                 start = time.perf_counter()
                 sync.receive_shards(self.state, group_name, senders=senders)
                 end = time.perf_counter()
@@ -1437,8 +1452,8 @@ def make_shard_class(Worker: type, register: Any, Dispatch: Any, Execute: Any) -
             return TensorDict(self.state, batch_size=[])
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def load_full(self, weights):
-            with PeakRSS() as mem:
+        def load_full(self, weights, watch=False):
+            with PeakRSS() if watch else NoRSS() as mem:
                 for name, value in weights.items():
                     self.state[name].copy_(value)
                 versions = {float(v.view(-1)[0]) for v in self.state.values()}
@@ -1452,6 +1467,13 @@ def make_shard_class(Worker: type, register: Any, Dispatch: Any, Execute: Any) -
     return ShardWorker
 
 
+def _sharded_reps(shapes) -> int:
+    """Timed syncs of a state dict: ``SHARDED_REPS``, five times as many below 64 MiB (a
+    small model's sync takes milliseconds, and two samples of it are noise here)."""
+    nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
+    return SHARDED_REPS if nbytes > 64 * MB else 5 * SHARDED_REPS
+
+
 def _sharded_daskwg(system, shapes, trainer, rollout, name: str, backend: str) -> dict:
     d = system.daskwg
     trainer.hold(shapes, "dtensor", backend)
@@ -1459,14 +1481,17 @@ def _sharded_daskwg(system, shapes, trainer, rollout, name: str, backend: str) -
     group = d.create_collective_group([trainer, rollout], name=name, backend=backend)
     times, in_ranks, egress, t_growth, r_growth = [], [], [], [], []
     route = None
+    reps = _sharded_reps(shapes)
     try:
-        for rep in range(SHARDED_REPS + 1):
+        # Rep 0 warms up; the last rep (untimed) watches memory and egress.
+        for rep in range(reps + 2):
+            watch = rep == reps + 1
             trainer.bump(rep + 1)
             t = time.perf_counter()
             sent, got = d.get(
                 [
-                    trainer.send(name, trainer.world_size, SHARDED_BUCKET),
-                    rollout.receive(name, trainer.world_size),
+                    trainer.send(name, trainer.world_size, SHARDED_BUCKET, watch),
+                    rollout.receive(name, trainer.world_size, watch),
                 ]
             )
             elapsed = time.perf_counter() - t
@@ -1475,7 +1500,11 @@ def _sharded_daskwg(system, shapes, trainer, rollout, name: str, backend: str) -
                 raise AssertionError(
                     f"sharded sync {name}: a rollout rank's weights differ from the trainer's"
                 )
-            if rep:
+            if watch:
+                egress.append(max(s["tx"] / max(s["shard"], 1) for s in sent))
+                t_growth.append(max(s["growth"] for s in sent))
+                r_growth.append(max(g["growth"] for g in got))
+            elif rep:
                 times.append(elapsed)
                 # The sync's own time: from when its last member called it (perf_counter is
                 # CLOCK_MONOTONIC, one clock for the processes of a host) to when the last
@@ -1483,9 +1512,6 @@ def _sharded_daskwg(system, shapes, trainer, rollout, name: str, backend: str) -
                 spans = [r["span"] for r in sent + got]
                 in_ranks.append(max(e for _, e in spans) - max(b for b, _ in spans))
                 route = sent[0]["route"]
-                egress.append(max(s["tx"] / max(s["shard"], 1) for s in sent))
-                t_growth.append(max(s["growth"] for s in sent))
-                r_growth.append(max(g["growth"] for g in got))
     finally:
         group.destroy()
         trainer.drop()
@@ -1507,18 +1533,22 @@ def _sharded_verl(system, shapes, trainer, rollout) -> dict:
     rollout.hold(shapes, "full")
     nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
     times, egress, r_growth = [], [], []
+    reps = _sharded_reps(shapes)
     try:
-        for rep in range(SHARDED_REPS + 1):
+        # As daskwg's: rep 0 warms up, the last rep (untimed) watches memory.
+        for rep in range(reps + 2):
+            watch = rep == reps + 1
             trainer.bump(rep + 1)
             tx0 = trainer.net()[0][1]
             t = time.perf_counter()
-            out = rollout.load_full(trainer.get_full())
+            out = rollout.load_full(trainer.get_full(), watch)
             elapsed = time.perf_counter() - t
             _expect({tuple(o["versions"]) for o in out}, {(float(rep + 1),)}, "verl route")
-            if rep:
+            if watch:
+                r_growth.append(max(o["growth"] for o in out))
+            elif rep:
                 times.append(elapsed)
                 egress.append((trainer.net()[0][1] - tx0) / (nbytes / trainer.world_size))
-                r_growth.append(max(o["growth"] for o in out))
     finally:
         trainer.drop()
         rollout.drop()
@@ -1543,11 +1573,11 @@ def run_sharded_child(name: str, backend: str = "gloo") -> dict:
             if isinstance(shapes, list):
                 nbytes = sum(math.prod(shape) * 4 for _, shape in shapes)
                 result.setdefault("p2p", {})[case] = floors.tcp_transfer(
-                    nbytes, SHARDED_REPS + 1, fresh=True
+                    nbytes, _sharded_reps(shapes) + 1, fresh=True
                 )[1:]
                 # Not the bar's floor; shown beside it: the least one rollout rank's copy of
                 # the whole model costs on one host (the same-host route makes one per rank).
-                result.setdefault("copy", {})[case] = floors.memcpy_warm(nbytes, SHARDED_REPS + 1)[1:]
+                result.setdefault("copy", {})[case] = floors.memcpy_warm(nbytes, _sharded_reps(shapes) + 1)[1:]
     system = SYSTEMS[name]()
     system.start(SHARDED_WORKERS, slots=SHARDED_WORKERS)
     cls = make_shard_class(*(system.api()[i] for i in (0, 1, 2, 4)))
@@ -1586,7 +1616,7 @@ def run_sharded_child(name: str, backend: str = "gloo") -> dict:
 
 def build_sharded_report(res: dict) -> tuple[str, dict]:
     """The sharded-sync table: per state dict, daskwg's sharded sync, verl's Ray route and the
-    point-to-point floor, side by side (one run, medians of ``SHARDED_REPS`` syncs)."""
+    point-to-point floor, side by side (one run, medians of :func:`_sharded_reps` syncs)."""
     d, v = res.get("daskwg") or {}, res.get("verl") or {}
     bucket = d.get("bucket", SHARDED_BUCKET)
     lines = [
