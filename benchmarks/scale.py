@@ -254,12 +254,17 @@ def build_report(
     for key, label in LABELS:
         vkey = "seq8" if key == "seq8 plan" else key
         xs_d, ys_d, xs_v, ys_v = [], [], [], []
+        cpu_d, cpu_v = [], []  # (ranks, driver CPU seconds per call)
         for n in sizes:
             dm, vm = _median(ds, f"{key}/{n}"), _median(vs, f"{vkey}/{n}")
             if dm is None and vm is None:
                 continue
             dc, vc = d.get("cpu", {}).get(f"{key}/{n}"), v.get("cpu", {}).get(f"{vkey}/{n}")
             ratio = dm / vm if dm is not None and vm else None
+            if dc is not None:
+                cpu_d.append((n, dc))
+            if vc is not None:
+                cpu_v.append((n, vc))
             if dm is not None:
                 xs_d.append(n)
                 ys_d.append(dm)
@@ -275,13 +280,16 @@ def build_report(
             )
         sd, _ = _fit(xs_d, ys_d)
         sv, _ = _fit(xs_v, ys_v)
-        slopes.append((key, label, sd, sv, (xs_d, ys_d, xs_v, ys_v)))
+        cd, _ = _fit([n for n, _ in cpu_d], [c for _, c in cpu_d])
+        cv, _ = _fit([n for n, _ in cpu_v], [c for _, c in cpu_v])
+        slopes.append((key, label, sd, sv, (xs_d, ys_d, xs_v, ys_v), (cd, cv)))
     tables = ["\n".join(lines)]
     lines = [
-        "| row | daskwg: each added rank | verl: each added rank | daskwg ÷ verl |",
-        "|---|---|---|---|",
+        "| row | daskwg: each added rank | verl: each added rank | daskwg ÷ verl | "
+        "driver CPU per call, each added rank: daskwg | verl |",
+        "|---|---|---|---|---|---|",
     ]
-    for key, label, sd, sv, _ in slopes:
+    for key, label, sd, sv, _, (cd, cv) in slopes:
         if sd != sd and sv != sv:  # NaN: fewer than two sizes
             continue
         ratio = sd / sv if sv == sv and sv > 0 and sd == sd else None
@@ -289,7 +297,8 @@ def build_report(
             verdicts[f"scale {key}: slope ≤ 0.5× verl"] = ratio <= 0.5
         lines.append(
             f"| {label} | {fmt_s(sd) if sd == sd else 'n/a'} | {fmt_s(sv) if sv == sv else 'n/a'} | "
-            f"{'n/a' if ratio is None else f'{ratio:.2f}'} |"
+            f"{'n/a' if ratio is None else f'{ratio:.2f}'} | "
+            f"{fmt_s(cd) if cd == cd else ''} | {fmt_s(cv) if cv == cv else ''} |"
         )
     tables.append("\n".join(lines))
     wide = d.get("extra", {}).get("wide")
@@ -357,7 +366,7 @@ def plot(slopes: list, path: str) -> None:
     cols = 3
     rows = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
-    for ax, (_, label, _, _, (xs_d, ys_d, xs_v, ys_v)) in zip(axes.flat, shown):
+    for ax, (_, label, _, _, (xs_d, ys_d, xs_v, ys_v), _) in zip(axes.flat, shown):
         if xs_d:
             ax.plot(xs_d, [y * 1e3 for y in ys_d], "o-", label="daskwg")
         if xs_v:

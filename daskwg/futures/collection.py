@@ -86,14 +86,18 @@ def cancel_futures(futures: Sequence[Any], reason: Any = None, msg: Any = None, 
 
 
 def _known_to_scheduler(parts: list) -> None:
-    """Wait for ``parts`` through Dask's own wait (which has the driver register results of
-    non-blocking calls with the scheduler); raise the error of one that failed or was cancelled."""
+    """Wait for ``parts`` through Dask's own wait, and have the driver register those that
+    are results of non-blocking calls with the scheduler (``Owned.flush``); raise the error
+    of one that failed or was cancelled."""
     for client in {id(p.client): p.client for p in parts}.values():
+        mine = [p for p in parts if p.client is client]
         with client.as_current():
             try:
-                dask_wait([p for p in parts if p.client is client])
+                dask_wait(mine)
             except CancelledError:
                 pass  # raised below, with the part's own error
+        for owned in {id(o): o for o in (getattr(p._state, "owned", None) for p in mine) if o}.values():
+            client.sync(owned.flush, [p.key for p in mine])
     for part in parts:
         if part.status in ("error", "cancelled"):
             error = part._state.exception

@@ -43,9 +43,10 @@ class CancelledCall(CallCancelledError, FutureCancelledError):
 
 class OwnedState(FutureState):
     """The Dask state of a :class:`CallFuture`'s key: ``finished`` with the call's reply
-    (its Dask event waits for the scheduler to know the key, which waiting on it asks
-    for), and it tells :class:`Owned` when Dask cancels it (``future.cancel()``,
-    ``client.cancel``, a restart) or releases it (the last future of the key was dropped)."""
+    (waiting on it through Dask asks for the key's registration with the scheduler before
+    the client next talks to it; its Dask event is set once registered), and it tells
+    :class:`Owned` when Dask cancels it (``future.cancel()``, ``client.cancel``, a restart)
+    or releases it (the last future of the key was dropped)."""
 
     __slots__ = ("owned", "_settled", "told")
 
@@ -63,9 +64,11 @@ class OwnedState(FutureState):
         return self.status != "pending"
 
     async def wait(self, timeout: float | None = None) -> None:
-        # Dask waits for it (wait, as_completed, gather): the scheduler must know it first.
+        # Dask waits for it (wait, as_completed, add_done_callback, Dask's gather): until the
+        # call's reply, as daskwg.get; the scheduler learns of the key before this client
+        # next talks to it (Owned.demand, daskwg.transport.gather.route_scheduler).
         self.owned.demand(self.key)
-        await super().wait(timeout)
+        await asyncio.wait_for(self._settled.wait(), timeout)
 
     async def settled(self) -> None:
         """Until the call's reply came (no registration needed)."""
@@ -137,11 +140,14 @@ class CallFuture(Future):
         if not owned.unknown_to_scheduler(self.key):
             return
         dask_wait([self])
-        # A registration that failed (a worker or the scheduler busy, a comm error) leaves
-        # the future finished but unknown to the scheduler: ask again, for a bounded time.
+        # Registered now (Owned.flush). One that failed (a worker or the scheduler busy, a
+        # comm error) leaves the future finished but unknown to the scheduler: ask again,
+        # for a bounded time.
         end = time.monotonic() + REGISTER_RETRY_S
-        while self.status == "finished" and owned.unknown_to_scheduler(self.key) and time.monotonic() < end:
-            self.client.loop.add_callback(owned.demand, self.key)
+        while self.status == "finished" and owned.unknown_to_scheduler(self.key):
+            self.client.sync(owned.flush, [self.key])
+            if not owned.unknown_to_scheduler(self.key) or time.monotonic() >= end:
+                break
             time.sleep(0.05)
 
     def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> None:

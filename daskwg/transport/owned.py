@@ -13,14 +13,19 @@ Dask sees these futures as its own:
   and daskwg's own waits (:meth:`Owned.wait`: group calls, ``daskwg.get``,
   ``DataProtoFuture.get()``), :meth:`CallFuture.result` and ``client.gather``
   (``daskwg.transport.gather``) need nothing more;
-* once something waits for it through Dask (``distributed.wait``, ``as_completed``,
-  ``add_done_callback``, ``dask.compute``), or it has lived for
-  :data:`REGISTER_AFTER` seconds, the driver registers its key with the scheduler
-  (``update_data``, as ``client.scatter`` does: the scheduler learns where the result is
-  and its size, and never holds its bytes), so Dask's own gather, the dashboard's memory
-  views and Dask tasks taking the future work on it, and dropping it releases the result
-  through Dask's reference counting. Results dropped before that (most of an RL step's)
-  never cost the scheduler anything: the driver drops them on their workers itself;
+* Dask's own waits (``distributed.wait``, ``as_completed``, ``add_done_callback``) end
+  with the call's reply, as ``daskwg.get`` does; the driver registers the key with the
+  scheduler (``update_data``, as ``client.scatter`` does: the scheduler learns where the
+  result is and its size, and never holds its bytes) once it has lived for
+  :data:`REGISTER_AFTER` seconds, or, for one waited for through Dask, before this client
+  next tells or asks the scheduler anything (:meth:`Owned.flush`, which
+  ``daskwg.transport.gather.route_scheduler`` puts in front of the client's scheduler
+  traffic: ``who_has``, ``nbytes``, a graph naming it), and a graph naming it waits for its
+  registration (``CallFuture.__dask_tokenize__``). So Dask's own gather, the dashboard's
+  memory views and Dask tasks taking the future work on it, and dropping it releases the
+  result through Dask's reference counting. Results dropped before that (most of an RL
+  step's, waited for through Dask or not) never cost the scheduler anything: the driver
+  drops them on their workers itself;
 * a failed call's future is ``error`` with the call's ``RankError`` at once;
 * ``future.cancel()`` reaches the rank (a queued call is skipped, an ``async def`` one
   interrupted), its error is a ``CallCancelledError``; a future dropped before its result
@@ -33,7 +38,7 @@ calling thread (:meth:`Owned.fetch_inline`).
 
 Threads: the calling threads create futures and wait; the client's event loop handles the
 replies, registrations and cancellations. The last reference to a result that came back and
-that nothing asked Dask about is released on the thread that drops it (:meth:`Owned.drop`);
+that the scheduler was not told of is released on the thread that drops it (:meth:`Owned.drop`);
 other releases go to the loop. :class:`OwnedResult` fields change on the loop, and on a
 dropping thread under :attr:`Owned.cond`, which the loop holds while it settles a result or
 decides on its registration; waiters read them under it too.
@@ -62,7 +67,7 @@ from ..wire import messages as wire
 from ..wire.messages import Call
 from .call_future import CallFuture, OwnedState
 from .frees import Frees
-from .gather import route_gather
+from .gather import route_gather, route_scheduler
 from .streams import CallStreams
 
 #: Seconds a read of a result whose stream dropped waits for the word on why its worker went.
@@ -97,7 +102,8 @@ class OwnedResult:
         error: the call's error.
         pinned: futures the call reads (its ``DataProtoFuture`` and future arguments), kept
             alive until it ends even if the program drops them.
-        wanted: something waits for it through Dask (register it once it exists).
+        wanted: something waited for it through Dask (register it before this client next
+            talks to the scheduler, :meth:`Owned.flush`).
         registering, registered: where its registration with the scheduler is.
     """
 
@@ -144,9 +150,16 @@ class Owned:
         # Reentrant: Future.__del__ (queue_drop) may run inside it, at an allocation.
         self._drops_lock = threading.RLock()
         self._to_register: list[OwnedResult] = []
+        #: keys of results waited for through Dask and not registered yet (flush() registers them).
+        self._wanted: set[str] = set()
+        self._register_task: asyncio.Future | None = None
+        #: Dask's own write of a message onto the client's stream to the scheduler (on the
+        #: loop), which route_scheduler's hold does not delay.
+        self.send_to_scheduler: Callable[[dict], None] = type(client)._send_to_scheduler_safe.__get__(client)
         self._young: collections.deque[tuple[float, str]] = collections.deque()  # (due, key)
         self._registering = False
         route_gather(self)  # client.gather of these futures reads them as daskwg.get does
+        route_scheduler(self)  # the client's scheduler traffic goes after flush()
 
     # ---- creating (calling thread) ---------------------------------------------------
 
@@ -195,8 +208,6 @@ class Owned:
             self._settle(rec, FINISHED, nbytes=nbytes, inline=inline, info=info)
             if not self._alive(rec):
                 self._forget(rec)
-            elif rec.wanted:
-                self._queue_registration(rec)
             else:
                 self._young.append((time.monotonic() + REGISTER_AFTER, key))
                 if len(self._young) == 1:
@@ -247,14 +258,44 @@ class Owned:
         rec.state._settled.set()
 
     def demand(self, key: str) -> None:
-        """Something waits for ``key`` through Dask: register it as soon as it exists."""
+        """Something waits for ``key`` through Dask (on the client's loop): register it before
+        this client next talks to the scheduler (:meth:`flush`), or after
+        :data:`REGISTER_AFTER` seconds, whichever comes first. Not at once: a wait whose
+        futures are read and dropped (``distributed.wait`` + ``client.gather``,
+        ``as_completed``) then costs the scheduler, the workers and this loop nothing more
+        than ``daskwg.get``."""
         with self.cond:  # against drop() on a calling thread
             rec = self.records.get(key)
             if rec is None or rec.registered or rec.registering:
                 return
             rec.wanted = True
-            if rec.status == FINISHED and self._alive(rec):
-                self._queue_registration(rec)
+            self._wanted.add(key)
+
+    def must_flush(self) -> bool:
+        """Whether a registration is due before the client's next word to the scheduler (one
+        waited for through Dask, or one in flight); on the client's loop."""
+        return self._registering or bool(self._wanted)
+
+    async def flush(self, keys: Iterable[str] | None = None) -> None:
+        """Register the finished results of ``keys`` (``None``: those waited for through
+        Dask) that the program still holds and the scheduler has not been told of, in one
+        batch, and return once that and any registration in flight are done (on the client's
+        loop). A registration that fails (a worker gone) leaves its results unknown to the
+        scheduler, as Dask leaves a future whose data was lost; nothing is raised."""
+        with self.cond:  # against drop() on a calling thread
+            for key in list(self._wanted if keys is None else keys):
+                rec = self.records.get(key)
+                if (
+                    rec is not None
+                    and rec.status == FINISHED
+                    and not (rec.registered or rec.registering)
+                    and self._alive(rec)
+                ):
+                    self._queue_registration(rec)
+        task = self._register_task
+        if self._registering and task is not None:
+            # Every result queued so far goes in one of its batches (it runs until none is left).
+            await asyncio.wait({task})
 
     def _register_due(self) -> None:
         # One timer for the results that finished in the last REGISTER_AFTER seconds (a
@@ -277,7 +318,7 @@ class Owned:
         self._to_register.append(rec)
         if not self._registering:
             self._registering = True
-            asyncio.ensure_future(self._register())
+            self._register_task = asyncio.ensure_future(self._register())
 
     def unknown_to_scheduler(self, key: str) -> bool:
         """Whether ``key`` is a result of this driver the scheduler has not been told of
@@ -335,6 +376,7 @@ class Owned:
         """The program let go of ``rec``: drop its result on the worker unless Dask releases it."""
         if self.records.get(rec.key) is rec:
             del self.records[rec.key]
+        self._wanted.discard(rec.key)
         if not rec.registered:
             self.frees.free(rec.address, rec.call.worker_id, rec.key, rec.nbytes)
 
@@ -387,6 +429,8 @@ class Owned:
                     with self.cond:  # against drop() on a calling thread
                         r.registered = r.key in published
                         r.registering = False
+                        if r.registered:
+                            self._wanted.discard(r.key)
                     if self._alive(r):
                         r.state.finish()
                     elif r.registered:
@@ -395,12 +439,14 @@ class Owned:
                         self.records.pop(r.key, None)
                     else:
                         self._forget(r)
+                # Straight onto the client's stream (this is the loop): route_scheduler holds
+                # the client's other messages until this registration is done.
                 if published:
-                    client._send_to_scheduler(
+                    self.send_to_scheduler(
                         {"op": "client-desires-keys", "keys": list(published), "client": client.id}
                     )
                 if released:
-                    client._send_to_scheduler(
+                    self.send_to_scheduler(
                         {"op": "client-releases-keys", "keys": released, "client": client.id}
                     )
         finally:
@@ -434,7 +480,7 @@ class Owned:
 
     def drop(self, key: str) -> None:
         """A :class:`CallFuture` of ``key`` was released (any thread). The last reference to a
-        result that came back (or failed) and that nothing asked Dask about is dropped here
+        result that came back (or failed) and that the scheduler was not told of is dropped here
         and then: an RL loop drops every step's futures, and a hop to the client's loop for
         each call's costs a wake-up of that thread, which then contends with the caller's
         next call for the GIL. Any other goes through the loop (:meth:`queue_drop`), as does
@@ -448,7 +494,6 @@ class Owned:
             if (
                 rec is None
                 or rec.status not in (FINISHED, ERROR)
-                or rec.wanted
                 or rec.registering
                 or rec.registered
                 or not self._alive(rec)
