@@ -17,9 +17,10 @@ verl's roles, on split placement:
   padded with ``<pad>`` to the longest).
 
 After every update the weights go to the rollout ranks with :mod:`daskwg.sync`: each
-trainer rank sends only its own FSDP shards, bucketed, worker to worker along a chain of the
-rollout ranks (each shard leaves its trainer rank once), and every rollout rank writes them
-into its parameters. Then each trainer rank's sha256 of its shards is compared with each
+trainer rank offers only its own FSDP shards, and every rollout rank writes them into its
+parameters, worker to worker. Where every rank is on one host (gloo) each rollout rank
+copies them straight from the trainer ranks' memory; elsewhere they travel bucketed along a
+chain of the rollout ranks (each shard leaves its trainer rank once). Then each trainer rank's sha256 of its shards is compared with each
 rollout rank's sha256 of the same slices: ``rollout weights match the trainer: yes`` at the
 end says every sync left every rollout rank with the trainer's weights bit for bit.
 
@@ -353,8 +354,9 @@ class Groups:
 
         Returns:
             ``seconds`` (wall time of the sync), ``egress_ratio`` (the largest trainer rank's
-            bytes sent ÷ its shard bytes), ``changed`` (fraction of the shard bytes that
-            travelled).
+            bytes sent on sockets ÷ its shard bytes: about 0 on the same-host route, where
+            the rollout ranks read the shards), ``changed`` (fraction of the shard bytes
+            that travelled) and ``route`` (:attr:`daskwg.sync.SyncReport.route`).
         """
         start = time.perf_counter()
         sent, got = daskwg.get(
@@ -369,6 +371,7 @@ class Groups:
             "sync_s": seconds,
             "egress_ratio": max(r["sent_bytes"] / max(r["shard_bytes"], 1) for r in sent),
             "changed": sum(r["changed_bytes"] for r in sent) / max(sum(r["shard_bytes"] for r in sent), 1),
+            "route": sent[0]["route"],
         }
 
     def shutdown(self) -> None:
@@ -493,7 +496,8 @@ def fit(client, args: argparse.Namespace, started: float) -> int:
             f"{reached[1]:.1f} s into training"
         )
     print(
-        f"weight sync: median {sync_ms[len(sync_ms) // 2]:.1f} ms, trainer egress / shard "
+        f"weight sync ({history[-1]['route']} route): median {sync_ms[len(sync_ms) // 2]:.1f} ms, "
+        "trainer egress on sockets / shard "
         f"{max(m['egress_ratio'] for m in history):.3f}, bytes changed {min(m['changed'] for m in history):.3f}"
         f"-{max(m['changed'] for m in history):.3f} of the shards{' (--delta)' if args.delta else ''}"
     )
