@@ -1577,7 +1577,9 @@ def run_sharded_child(name: str, backend: str = "gloo") -> dict:
                 )[1:]
                 # Not the bar's floor; shown beside it: the least one rollout rank's copy of
                 # the whole model costs on one host (the same-host route makes one per rank).
-                result.setdefault("copy", {})[case] = floors.memcpy_warm(nbytes, _sharded_reps(shapes) + 1)[1:]
+                result.setdefault("copy", {})[case] = floors.memcpy_warm(nbytes, _sharded_reps(shapes) + 1)[
+                    1:
+                ]
     system = SYSTEMS[name]()
     system.start(SHARDED_WORKERS, slots=SHARDED_WORKERS)
     cls = make_shard_class(*(system.api()[i] for i in (0, 1, 2, 4)))
