@@ -144,3 +144,37 @@ def test_columns_above_the_small_size_travel_on_their_own():
     back = serialization.loads(packed)
     assert list(back.keys()) == list(td.keys())
     assert torch.equal(back["big"], td["big"])
+
+
+def _part_info_cases() -> list:
+    """Batches whose part info the snapshot fast path reads: wide with a large column,
+    with non-tensor keys, a TensorDict part, a column with gradients, a transposed column,
+    a nested TensorDict and a named batch dimension (the last four have no columns)."""
+    small = {f"k{i}": torch.ones(4, 2) for i in range(6)}
+    named = TensorDict(dict(small), batch_size=[4])
+    named.names = ["b"]
+    return [
+        DataProto(batch=wide(keys=64).batch, meta_info={"step": 3}),
+        wide(keys=64),
+        TensorDict(dict(small), batch_size=[4]),
+        DataProto(batch=TensorDict({**small, "g": torch.ones(4, 2, requires_grad=True)}, batch_size=[4])),
+        DataProto(batch=TensorDict({**small, "t": torch.ones(2, 4).t()}, batch_size=[4])),
+        DataProto(batch=TensorDict({**small, "n": TensorDict(dict(small), batch_size=[4])}, batch_size=[4])),
+        DataProto(batch=named),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_part_info_cases())))
+def test_part_info_of_a_wide_snapshot_is_read_without_rebuilding_its_columns(case, monkeypatch):
+    # A non-blocking call's reply carries its result's PartInfo: read from the kept
+    # snapshot, it used to rebuild every packed column (a tensor a key) to name them.
+    from daskwg.plugin import rows
+
+    value = _part_info_cases()[case]
+    packed = serialization.dumps(value)
+    want = rows.part_info_of(serialization.loads(packed), "key", "tcp://w")
+    rebuilt = []
+    real = codec.rebuild_columns
+    monkeypatch.setattr(codec, "rebuild_columns", lambda *args: rebuilt.append(1) or real(*args))
+    assert rows.part_info_of(packed, "key", "tcp://w") == want
+    assert not rebuilt

@@ -20,8 +20,11 @@ what the rank changes stays its own.
 from __future__ import annotations
 
 import asyncio
+import io
+import pickle
 from typing import Any
 
+import torch
 from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
@@ -32,6 +35,7 @@ from ..futures.interpreter import concat_parts, evaluate, rows_of, select_column
 from ..futures.plan import Plan
 from ..protocol import DataProto
 from ..serialization import pickling as serialization
+from ..wire import codec
 from ..wire.messages import Handler, PartInfo
 from . import gathered
 
@@ -66,11 +70,88 @@ def part_info(value: Any, key: str) -> PartInfo:
 
 def part_info_of(value: Any, key: str, address: str) -> PartInfo:
     """The :class:`PartInfo` of part ``key`` (``value``, or its snapshot) held at ``address``."""
+    if isinstance(value, serialization.Packed):
+        info = _packed_part_info(value, key, address)
+        if info is not None:
+            return info
     value = _stored(value)
     foreign_class = foreign.class_name(type(value)) if foreign.is_verl_dataproto(value) else None
     value = foreign.to_native(value) if foreign_class is not None else value
     meta = dict(value.meta_info) if isinstance(value, DataProto) else None
     return PartInfo(address, key, rows_of(value), meta, foreign_class, gathered.columns_of(value))
+
+
+class _PackedColumns:
+    """What a part's info reads of a TensorDict whose small columns travel in one buffer
+    (:func:`daskwg.wire.codec.reduce_columns`), read from its snapshot without rebuilding a
+    tensor per column: the batch size, device, names and ``(key, dtype name, shape)`` of
+    every column, and the columns that travel on their own as they are."""
+
+    __slots__ = ("batch_size", "device", "names", "keys", "rest", "packed")
+
+    def __init__(self, batch_size, device, names, keys, rest, packed, buf):  # noqa: ARG002 - buf: unread
+        self.batch_size, self.device, self.names = tuple(batch_size), device, names
+        self.keys, self.rest = keys, rest
+        self.packed = {key: (dtype, tuple(shape)) for key, dtype, shape, _ in packed}
+
+    def columns(self) -> tuple | None:
+        """:func:`daskwg.plugin.gathered.columns_of` of the batch this stands for (its
+        DataProto has no ``non_tensor_batch``)."""
+        device = self.device if codec.device_available(self.device) else None
+        if len(self.batch_size) != 1 or (self.names is not None and self.names[0] is not None):
+            return None
+        if device not in (None, "cpu"):
+            return None
+        columns = []
+        packed, rest = self.packed, self.rest
+        for key in self.keys:
+            spec = packed.get(key)
+            if spec is not None:  # reduce_columns packs only dense contiguous CPU tensors
+                columns.append((key, spec[0], spec[1][1:], device))
+                continue
+            tensor = rest[key]
+            if (
+                type(tensor) is not torch.Tensor
+                or tensor.layout is not torch.strided
+                or tensor.device.type != "cpu"
+                or tensor.requires_grad
+                or not tensor.is_contiguous()
+            ):
+                return None
+            columns.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]), device))
+        return tuple(columns)
+
+
+class _InfoUnpickler(pickle.Unpickler):
+    """Loads a snapshot with every TensorDict whose columns share one buffer as a
+    :class:`_PackedColumns` (the part's info needs their shapes, not their tensors: a
+    512-key batch costs a tensor rebuild per key otherwise)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == codec.__name__ and name == "rebuild_columns":
+            return _PackedColumns
+        return super().find_class(module, name)
+
+
+def _packed_part_info(packed: serialization.Packed, key: str, address: str) -> PartInfo | None:
+    """:func:`part_info_of` of a snapshot whose batch is a TensorDict of packed columns (a
+    ``DataProto``'s, or the part itself), read without rebuilding its columns; ``None``
+    for any other value (the caller loads it)."""
+    if codec.__name__.encode() not in packed.header or b"rebuild_columns" not in packed.header:
+        return None
+    value = _InfoUnpickler(io.BytesIO(packed.header), buffers=packed.buffers).load()
+    if type(value) is _PackedColumns:  # a TensorDict part
+        return PartInfo(address, key, int(value.batch_size[0]) if value.batch_size else 0, None, None, None)
+    verl = foreign.is_verl_dataproto(value)
+    if not (isinstance(value, DataProto) or verl) or type(value.batch) is not _PackedColumns:
+        return None
+    batch = value.batch
+    if not batch.batch_size:
+        return None  # no rows to count: the loaded value says what is wrong with it
+    rows = int(batch.batch_size[0])
+    columns = None if value.non_tensor_batch else batch.columns()
+    foreign_class = foreign.class_name(type(value)) if verl else None
+    return PartInfo(address, key, rows, dict(value.meta_info), foreign_class, columns)
 
 
 def part_released(key: str, address: str) -> GroupBrokenError:
