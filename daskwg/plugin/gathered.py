@@ -95,16 +95,22 @@ def columns_of(value: Any) -> tuple | None:
         return None
     columns = []
     for key, tensor in batch._tensordict.items():
-        if (
-            type(tensor) is not torch.Tensor
-            or tensor.layout is not torch.strided
-            or tensor.device.type != "cpu"
-            or tensor.requires_grad
-            or not tensor.is_contiguous()
-        ):
+        if not plain_column(tensor):
             return None
         columns.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]), device))
     return tuple(columns)
+
+
+def plain_column(tensor: Any) -> bool:
+    """Whether a batch column is what a consumer's file holds: a dense, contiguous CPU
+    ``torch.Tensor`` (not a subclass) without gradients."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout is torch.strided
+        and tensor.device.type == "cpu"
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+    )
 
 
 def install(

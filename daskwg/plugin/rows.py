@@ -24,7 +24,6 @@ import io
 import pickle
 from typing import Any
 
-import torch
 from distributed import get_worker
 from distributed.protocol import to_serialize
 from distributed.utils import sync
@@ -110,13 +109,7 @@ class _PackedColumns:
                 columns.append((key, spec[0], spec[1][1:], device))
                 continue
             tensor = rest[key]
-            if (
-                type(tensor) is not torch.Tensor
-                or tensor.layout is not torch.strided
-                or tensor.device.type != "cpu"
-                or tensor.requires_grad
-                or not tensor.is_contiguous()
-            ):
+            if not gathered.plain_column(tensor):
                 return None
             columns.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]), device))
         return tuple(columns)
