@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import pytest
 import torch
@@ -198,3 +199,20 @@ def test_a_process_is_readable_only_where_its_probe_reads_back_with_its_token(gr
     assert peer_memory.can_read(probe)
     assert not peer_memory.can_read(dataclasses.replace(probe, token=probe.token ^ 1))
     assert not peer_memory.can_read(dataclasses.replace(probe, address=8))
+
+
+def test_many_ranges_are_read_in_few_calls_and_a_bad_one_raises(groups):
+    # read_many takes a trainer rank's pieces in one system call per IOV_MAX ranges; here
+    # this process reads itself (same system call), more ranges than one call takes.
+    source = torch.arange(3000, dtype=torch.int64)
+    target = torch.zeros(3000, dtype=torch.int64)
+    size = source.element_size()
+    ranges = [(source.data_ptr() + i * size, target.data_ptr() + i * size, size) for i in range(0, 3000, 2)]
+    ranges.append((source.data_ptr(), target.data_ptr() + size, 0))  # empty: skipped
+    peer_memory.read_many(os.getpid(), ranges)
+    assert torch.equal(target[0::2], source[0::2])
+    assert not target[1::2].any()
+    # The kernel stops at the unmapped range (a partial read): the rest raises what stopped it.
+    bad = [(source.data_ptr(), target.data_ptr(), size), (8, target.data_ptr() + size, size)]
+    with pytest.raises(OSError):
+        peer_memory.read_many(os.getpid(), bad)

@@ -24,7 +24,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["Probe", "can_read", "local_probe", "read_into"]
+__all__ = ["Probe", "can_read", "local_probe", "read_into", "read_many"]
 
 
 class _Iovec(ctypes.Structure):
@@ -79,6 +79,47 @@ def read_into(pid: int, address: int, into: int, nbytes: int) -> None:
             raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
         done += got
 
+
+
+#: iovecs per ``process_vm_readv`` call: Linux's ``UIO_MAXIOV`` (``IOV_MAX``).
+IOV_MAX = 1024
+
+
+def read_many(pid: int, ranges: list[tuple[int, int, int]]) -> None:
+    """Copy many ranges of process ``pid``'s memory here, in as few system calls as the
+    kernel takes (one per :data:`IOV_MAX` ranges, where none stops early): what
+    :func:`read_into` does for one range, without a Python round per range.
+
+    Args:
+        pid: the process to read (same host, same pid namespace).
+        ranges: ``(address there, address here, bytes)`` each; the caller keeps the memory
+            here alive and writable. Ranges of 0 bytes are skipped.
+
+    Raises:
+        OSError: as :func:`read_into`.
+    """
+    fn = _readv()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available on this platform")
+    ranges = [r for r in ranges if r[2] > 0]
+    for first in range(0, len(ranges), IOV_MAX):
+        part = ranges[first : first + IOV_MAX]
+        local = (_Iovec * len(part))(*((here, n) for _, here, n in part))
+        remote = (_Iovec * len(part))(*((there, n) for there, _, n in part))
+        want = sum(n for _, _, n in part)
+        got = fn(pid, local, len(part), remote, len(part), 0)
+        if got == want:
+            continue
+        if got < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
+        # The kernel stopped early (a partial transfer ends at some range): finish
+        # range by range from where it stopped, each raising what stopped it.
+        for there, here, n in part:
+            take = min(got, n)
+            got -= take
+            if take < n:
+                read_into(pid, there + take, here + take, n - take)
 
 @dataclass(frozen=True)
 class Probe:

@@ -157,14 +157,22 @@ def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[P
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    # A state dict's DTensors share one mesh: its size and this rank's place in it are
+    # asked once per mesh, not once per tensor.
+    meshes: dict[int, tuple[int, int, int]] = {}
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             continue
         if isinstance(value, DTensor):
             mesh, placements = value.device_mesh, value.placements
-            if mesh.ndim != 1 or not isinstance(placements[0], (Shard, Replicate)):
+            known = meshes.get(id(mesh))
+            if known is None:
+                ndim = mesh.ndim
+                known = meshes[id(mesh)] = (ndim, mesh.size(), mesh.get_local_rank() if ndim == 1 else -1)
+            ndim, mesh_size, coordinate = known
+            if ndim != 1 or not isinstance(placements[0], (Shard, Replicate)):
                 raise ValueError(
-                    f"{name}: a DTensor on a {mesh.ndim}-D mesh with placements {placements}; "
+                    f"{name}: a DTensor on a {ndim}-D mesh with placements {placements}; "
                     "the sharded sync takes Shard(0) or Replicate() on a 1-D mesh (FSDP2's fully_shard): "
                     "reshard it, or send value.full_tensor() as a plain tensor"
                 )
@@ -173,11 +181,17 @@ def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[P
                     f"{name}: sharded on dim {placements[0].dim}; the sharded sync takes Shard(0) "
                     "(a contiguous slice of the full tensor): redistribute to Shard(0) first"
                 )
-            local = value.to_local()
+            with torch.no_grad():  # the local tensor itself, not an autograd op's output
+                local = value.to_local()
             if isinstance(placements[0], Replicate):
-                if mesh.get_local_rank() != 0:
+                if coordinate != 0:
                     continue
                 offset = 0
+            elif type(placements[0]) is Shard and value.dim():
+                # torch.chunk's split of dim 0, as Shard(0) lays it out on a 1-D mesh
+                # (cheaper than the general offset computation below, every sync).
+                _, first_row = Shard.local_shard_size_and_offset(value.shape[0], mesh_size, coordinate)
+                offset = first_row * math.prod(value.shape[1:])
             else:
                 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -473,23 +487,34 @@ def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], receiv
     report.route = "same-host"
     senders = len(pids)
     for source, header in enumerate(_receive_lent(member, senders)):
-        pieces = []
+        pieces, ranges = [], []
         for (name, dtype, shape, offset, numel, changed), address in zip(
             header["pieces"], header["addresses"]
         ):
             piece = Piece(name, dtype, tuple(shape), offset, numel)
-            target = _target(params, piece)
+            full = _full(params, piece)
+            if offset < 0 or numel < 0 or offset + numel > full.numel():
+                # Written through raw addresses below: never past the parameter's end.
+                raise ValueError(
+                    f"{name}: trainer rank {source} sent elements {offset}..{offset + numel} of a "
+                    f"tensor of {full.numel()}; its shard does not fit the full shape {tuple(shape)}"
+                )
             pieces.append(piece)
-            report.shard_bytes += target.nbytes
+            nbytes = numel * full.element_size()
+            report.shard_bytes += nbytes
             if not changed:
                 continue
-            report.changed_bytes += target.nbytes
-            if target.device.type == "cpu":
-                peer_memory.read_into(pids[source], address, target.data_ptr(), target.nbytes)
+            report.changed_bytes += nbytes
+            if full.device.type == "cpu":
+                # Into the parameter's own memory, where the piece's elements are.
+                ranges.append((address, full.data_ptr() + offset * full.element_size(), nbytes))
             else:
+                target = full.reshape(-1)[offset : offset + numel]
                 staged = torch.empty(target.shape, dtype=target.dtype)
                 peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
                 target.copy_(staged)
+        # One system call for the trainer rank's pieces, not one per piece.
+        peer_memory.read_many(pids[source], ranges)
         received[source] = pieces
     done = torch.ones(1, dtype=torch.int64)
     works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
@@ -544,6 +569,18 @@ def _writes(targets: list[Any]) -> Any:
 
 def _target(params: Mapping[str, Any], piece: Piece) -> Any:
     """The slice of the rollout's tensor that ``piece`` fills (a flat view)."""
+    full = _full(params, piece)
+    return full.reshape(-1)[piece.offset : piece.offset + piece.numel]
+
+
+def _full(params: Mapping[str, Any], piece: Piece) -> Any:
+    """The rollout's whole tensor that ``piece`` is part of, checked against the trainer's
+    shape and dtype.
+
+    Raises:
+        KeyError: ``params`` has no such name. ValueError: another shape or dtype, or not
+            contiguous.
+    """
     if piece.name not in params:
         raise KeyError(f"the trainer sent {piece.name!r}, which the rollout's parameters lack")
     full = params[piece.name].data
@@ -554,7 +591,7 @@ def _target(params: Mapping[str, Any], piece: Piece) -> Any:
             f"tensor of shape {tuple(full.shape)}, the trainer a {piece.dtype} one of shape {piece.shape}: "
             "build the rollout model with the trainer's config and dtype"
         )
-    return full.reshape(-1)[piece.offset : piece.offset + piece.numel]
+    return full
 
 
 def _send_header(member: Any, header: dict, following: int | None) -> int:
