@@ -283,6 +283,67 @@ def concat_tensordicts(parts: Sequence[TensorDictBase]) -> TensorDictBase:
 _LARGE_CAT = 1 << 20
 
 
+def concat_small_columns(parts: list[Any]) -> Any:
+    """``DataProto.concat(parts)`` of parts whose columns are all small (a wide batch: many
+    keys of few bytes, as ranks return them), with a few torch calls per run of keys, not
+    per key: ``None`` where the parts are not such (not flat TensorDicts of CPU tensors,
+    columns of :data:`_LARGE_CAT` bytes or more, non-tensor entries, parts that disagree),
+    and the caller concatenates them as before. ``parts``: DataProtos, left as they are.
+
+    The keys of one dtype and trailing shape (in the first part's order) are stacked in
+    each part, the stacks concatenated along the rows, and each key's column is its row of
+    the result: a contiguous view, the run's columns sharing one block, as the packed
+    columns a rank sends share theirs (:func:`daskwg.wire.codec.rebuild_columns`). A key
+    alone in its run is concatenated as it is. Disagreeing parts (a missing key, another
+    shape or dtype, a non-CPU or non-strided tensor) fall back to the ordinary path, which
+    raises or promotes as ``DataProto.concat`` does.
+    """
+    if len(parts) < 2 or not all(
+        p.batch is not None
+        and type(p.batch) is TensorDict
+        and p.batch.device in (None, torch.device("cpu"))
+        and p.batch.batch_dims == 1
+        and p.batch.names[0] is None
+        for p in parts
+    ):
+        return None
+    columns = [p.batch._tensordict for p in parts]
+    first = columns[0]
+    if any(len(cols) != len(first) for cols in columns):
+        return None
+    runs: dict[tuple, list] = {}
+    for key, t in first.items():
+        if type(t) is not torch.Tensor or not t.dim() or t.nbytes * len(parts) >= _LARGE_CAT:
+            return None
+        runs.setdefault((t.dtype, t.shape[1:]), []).append(key)
+    out: dict[str, Any] = {}
+    try:
+        for (dtype, trailing), keys in runs.items():
+            if len(keys) == 1:
+                joined = torch.cat([cols[keys[0]] for cols in columns])
+                views: Any = (joined,)
+            else:
+                stacks = [torch.stack([cols[k] for k in keys]) for cols in columns]
+                # torch.stack promotes mixed dtypes: a key of another dtype in some part
+                # would change its run's dtype, so such parts take the ordinary path.
+                if any(st.dtype != dtype or not st.is_cpu or st.layout != torch.strided for st in stacks):
+                    return None
+                joined = torch.cat(stacks, dim=1)
+                views = joined.unbind(0)
+            if not joined.is_cpu or joined.layout != torch.strided:
+                return None
+            for key, column in zip(keys, views):
+                out[key] = column
+    except (KeyError, RuntimeError, TypeError, ValueError):
+        return None
+    shells = [type(p)(batch=None, non_tensor_batch=p.non_tensor_batch, meta_info=p.meta_info) for p in parts]
+    merged = DataProto.concat(shells)
+    rows = sum(p.batch.batch_size[0] for p in parts)
+    out = {key: out[key] for key in first.keys()}  # the parts' key order
+    batch = TensorDict(out, batch_size=[rows], device=parts[0].batch.device)
+    return type(merged)(batch=batch, non_tensor_batch=merged.non_tensor_batch, meta_info=merged.meta_info)
+
+
 def _cat_large(parts: Sequence[TensorDictBase]) -> TensorDict | None:
     """``torch.cat(parts)`` of plain TensorDicts of CPU tensors, each column of at least
     :data:`_LARGE_CAT` bytes written into one block from :func:`daskwg.wire.codec.owned_empty`

@@ -178,3 +178,35 @@ def test_part_info_of_a_wide_snapshot_is_read_without_rebuilding_its_columns(cas
     monkeypatch.setattr(codec, "rebuild_columns", lambda *args: rebuilt.append(1) or real(*args))
     assert rows.part_info_of(packed, "key", "tcp://w") == want
     assert not rebuilt
+
+
+def test_small_columns_are_collected_by_runs_as_dataproto_concat_would():
+    from daskwg.protocol import concat_small_columns
+
+    parts = wide(keys=64).chunk(3)
+    got = concat_small_columns(list(parts))
+    assert got is not None
+    assert_same(got, DataProto.concat(list(parts)))
+    for key, value in got.batch.items():
+        assert value.is_contiguous(), key
+    # Each column is its own: a change to one leaves the others of its run.
+    got.batch["k001"] += 1
+    assert torch.equal(got.batch["k004"], DataProto.concat(list(parts)).batch["k004"])
+
+
+@pytest.mark.parametrize("change", ["dtype", "missing", "trailing", "large"])
+def test_parts_that_disagree_are_left_to_dataproto_concat(change):
+    from daskwg.protocol import concat_small_columns
+
+    parts = list(wide(keys=16).chunk(2))
+    second = parts[1].batch
+    if change == "dtype":  # torch.stack would promote the whole run: not by runs
+        second["k007"] = second["k007"].to(torch.float64)
+    elif change == "missing":
+        del second["k003"]
+        second["extra"] = torch.zeros(second.batch_size[0])
+    elif change == "trailing":
+        second["k000"] = torch.zeros(second.batch_size[0], 7)
+    else:
+        second["huge"] = parts[0].batch["huge"] = torch.zeros(second.batch_size[0], 1 << 18)
+    assert concat_small_columns(parts) is None

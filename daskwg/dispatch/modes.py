@@ -45,7 +45,7 @@ from ..futures.future import DataProtoFuture
 from ..futures.padding import PADDING_SIZE_KEY
 from ..futures.pieces import check_lengths
 from ..futures.plan import LengthCheck
-from ..protocol import DataProto, concat_tensordicts
+from ..protocol import DataProto, concat_small_columns, concat_tensordicts
 from ..wire import codec
 
 __all__ = [
@@ -301,6 +301,10 @@ def _concat_releasing(parts: list[Any]) -> Any:
 
     if len(parts) < 2 or not all(p.batch is not None and plain(p) for p in parts):
         return DataProto.concat(list(parts))
+    small = concat_small_columns(parts)
+    if small is not None:
+        parts.clear()
+        return small
     columns = [p.batch._tensordict for p in parts]
     first = columns[0]
     shapes = {}

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import foreign
-from ..protocol import DataProto, concat_tensordicts
+from ..protocol import DataProto, concat_small_columns, concat_tensordicts
 from .padding import STRIP
 from .pieces import piece_rows, rows_after, trailing_padding
 from .plan import LengthCheck, Local, Parts, Plan, Rename, Repeat, Select, Union
@@ -59,7 +59,8 @@ def concat_parts(parts: list) -> Any:
     parts = list(parts)
     verl_cls = foreign.nativize(parts)
     if all(isinstance(p, DataProto) for p in parts):
-        return foreign.from_native(DataProto.concat(parts), verl_cls)
+        joined = concat_small_columns(parts)  # a wide batch's many small columns, by runs
+        return foreign.from_native(joined if joined is not None else DataProto.concat(parts), verl_cls)
     if all(isinstance(p, TensorDictBase) for p in parts):
         return concat_tensordicts(list(parts))
     kinds = sorted({type(p).__name__ for p in parts})

@@ -195,7 +195,10 @@ def reduce_columns(entries: dict) -> tuple[dict, tuple, Any] | None:
         ``rest``: ``entries`` without the packed columns; ``packed``: ``(key, dtype name,
         shape, byte offset)`` per packed column; ``buffer``: a ``pickle.PickleBuffer``.
     """
-    by_dtype: dict[torch.dtype, list] = {}
+    # dtype -> shape -> [(key, column)]: within a dtype, columns of one shape are laid
+    # side by side (in their order), so that the other end rebuilds each such run with
+    # one torch call (rebuild_columns).
+    by_dtype: dict[torch.dtype, dict[tuple, list]] = {}
     count = 0
     for key, t in entries.items():
         if (
@@ -207,7 +210,7 @@ def reduce_columns(entries: dict) -> tuple[dict, tuple, Any] | None:
             and t.is_contiguous()
             and not t.dtype.is_complex  # conjugate and negative bits live on complex tensors
         ):
-            by_dtype.setdefault(t.dtype, []).append((key, t))
+            by_dtype.setdefault(t.dtype, {}).setdefault(t.shape, []).append((key, t))
             count += 1
     if count < _PACK_FROM:
         return None
@@ -215,13 +218,17 @@ def reduce_columns(entries: dict) -> tuple[dict, tuple, Any] | None:
     # One flattening copy per dtype (a ``Tensor.view(dtype)`` per column costs more than
     # the copy of a small one), largest element size first: every column starts aligned.
     for dtype in sorted(by_dtype, key=lambda d: -d.itemsize):
-        columns = by_dtype[dtype]
-        flats.append(_flatten_dense_tensors([t for _, t in columns]).view(torch.uint8))
+        shapes = by_dtype[dtype]
+        flats.append(
+            _flatten_dense_tensors([t for run in shapes.values() for _, t in run]).view(torch.uint8)
+        )
         name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, _dtype_name(dtype))
-        for key, t in columns:
-            packed.append((key, name, tuple(t.shape), offset))
-            taken.add(key)
-            offset += t.nbytes
+        for shape, run in shapes.items():
+            shape, nbytes = tuple(shape), run[0][1].nbytes
+            for key, _ in run:
+                packed.append((key, name, shape, offset))
+                taken.add(key)
+                offset += nbytes
     flat = flats[0] if len(flats) == 1 else torch.cat(flats)
     rest = {key: value for key, value in entries.items() if key not in taken}
     return rest, tuple(packed), pickle.PickleBuffer(flat.numpy())
@@ -232,11 +239,29 @@ def rebuild_columns(
 ) -> TensorDict:
     """The TensorDict :func:`reduce_columns` took apart: its packed columns rebuilt on
     ``buf``'s memory, no copy (they share it), in the order of ``keys``."""
-    storage = torch.frombuffer(_writable(buf), dtype=torch.uint8).untyped_storage()
+    raw = torch.frombuffer(_writable(buf), dtype=torch.uint8)
     columns = {}
-    for key, dtype, shape, offset in packed:
+    i, count = 0, len(packed)
+    while i < count:
+        # A run of columns of one dtype and shape, each right after the one before (as
+        # reduce_columns lays them out): one view of the run, unbound into its columns
+        # (one torch call for the run, not one or two per column).
+        _, dtype, shape, offset = packed[i]
         torch_dtype = getattr(torch, dtype)
-        columns[key] = torch.empty(0, dtype=torch_dtype).set_(storage, offset // torch_dtype.itemsize, shape)
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        j = i + 1
+        while j < count and packed[j][1] == dtype and packed[j][2] == shape and packed[j][3] == offset + (j - i) * nbytes:
+            j += 1
+        if nbytes and offset % torch_dtype.itemsize == 0:
+            run = raw[offset : offset + (j - i) * nbytes].view(torch_dtype).view(j - i, *shape).unbind(0)
+            for entry, column in zip(packed[i:j], run):
+                columns[entry[0]] = column
+        else:
+            for key, _, shape_, at in packed[i:j]:
+                columns[key] = torch.empty(0, dtype=torch_dtype).set_(
+                    raw.untyped_storage(), at // torch_dtype.itemsize, shape_
+                )
+        i = j
     entries = {key: columns[key] if key in columns else rest[key] for key in keys}
     return rebuild_tensordict(batch_size, device, names, entries)
 
