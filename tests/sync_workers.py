@@ -114,6 +114,14 @@ class Trainer(Worker):
         optimizer.step()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def move_weights(self) -> None:
+        """Give every parameter new memory with the same values (as a reload would): a
+        sync must not write or read where the old memory was."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.data = p.data.clone()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def probe(self):
         """This process's ``peer_memory`` probe (pid, a word's address, its token)."""
         from daskwg.sync import peer_memory
@@ -154,6 +162,13 @@ class Rollout(Worker):
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def move_weights(self) -> None:
+        """Give every parameter new, zeroed memory: a sync must fill the new memory."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.data = torch.zeros_like(p.data)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive(self, name: str, senders: int, same_host: bool = True) -> dict:

@@ -142,6 +142,22 @@ def test_a_sync_after_a_training_step_brings_the_new_weights(groups, collective,
 
 
 @routes
+def test_a_sync_after_the_weights_moved_in_memory_reads_and_writes_where_they_are_now(
+    groups, collective, same_host
+):
+    # Both sides keep a sync's layout for the next (the trainer's pieces, the rollout's
+    # ranges): a parameter given new memory must be found there, not at its old address.
+    trainer, rollout = groups
+    sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    trainer.move_weights()
+    rollout.move_weights()
+    trainer.train()
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
+    assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
+    assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
+
+
+@routes
 def test_a_trainer_rank_sends_its_shard_once_to_four_rollout_ranks(groups, collective, same_host):
     trainer, rollout = groups
     sent, _ = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)

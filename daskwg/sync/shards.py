@@ -133,6 +133,10 @@ _routes: dict[str, tuple[Any, bool, list[int] | None]] = {}
 _lent: dict[str, tuple[Any, bytes]] = {}
 # same-host route: collective name -> (member, trainer rank -> the header it sent last)
 _kept: dict[str, tuple[Any, dict[int, dict]]] = {}
+# collective name -> (member, [(name, _layout)] of the state dict, its [(piece, None)])
+_sent_pieces: dict[str, tuple[Any, list, list]] = {}
+# same-host route: collective name -> (member, trainer rank -> its _Layout here)
+_layouts: dict[str, tuple[Any, dict[int, Any]]] = {}
 
 
 def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[Piece, Any]]:
@@ -205,6 +209,54 @@ def local_pieces(state_dict: Mapping[str, Any], sender: int) -> Iterator[tuple[P
             local, offset, shape = value, 0, tuple(value.shape)
         local = local.detach().contiguous()
         yield Piece(name, str(local.dtype).removeprefix("torch."), shape, offset, local.numel()), local
+
+
+def _pieces_of(state_dict: Mapping[str, Any], member: Any, group_name: str) -> list[tuple[Piece, Any]]:
+    """``list(local_pieces(state_dict, member.rank))``, or the pieces of this rank's last
+    sync on ``group_name`` while ``state_dict`` lays its tensors out as then: the same
+    names in the same order, each tensor of the same kind, shape, dtype and placements,
+    its local data at the same address (an optimizer steps them in place). Finding a
+    piece's layout again costs a DTensor's placements and offset per tensor, every sync;
+    ``model.state_dict()`` gives new tensor objects each time (detached aliases), so they
+    are compared by layout, not identity. A hit gives the new objects' local tensors."""
+    import torch
+
+    with _lock:
+        cached = _sent_pieces.get(group_name)
+    with torch.no_grad():  # the local tensors themselves, not autograd ops' outputs
+        layout = [(name, _layout(value)) for name, value in state_dict.items()]
+        if cached is not None and cached[0] is member and cached[1] == layout:
+            locals_ = {name: _local(value) for name, value in state_dict.items()}
+            return [(piece, locals_[piece.name]) for piece, _ in cached[2]]
+        pieces = list(local_pieces(state_dict, member.rank))
+    with _lock:
+        _sent_pieces[group_name] = (member, layout, [(piece, None) for piece, _ in pieces])
+    return pieces
+
+
+def _layout(value: Any) -> tuple | None:
+    """What a piece's layout depends on, of a state dict's value (``None``: not a tensor):
+    its kind, global shape, dtype, a DTensor's mesh and placements, and where its (local)
+    data is, its local shape and whether it is contiguous."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        spec = (id(value.device_mesh), value.placements)
+    else:
+        local, spec = value, None
+    return (spec, value.shape, value.dtype, local.data_ptr(), local.shape, local.is_contiguous())
+
+
+def _local(value: Any) -> Any:
+    """A state dict value's local data as :func:`local_pieces` yields it."""
+    from torch.distributed.tensor import DTensor
+
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.detach().contiguous()
 
 
 def _bytes(tensor: Any) -> Any:
@@ -282,7 +334,7 @@ def send_shards(
         )
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
-    pieces = list(local_pieces(state_dict, member.rank))
+    pieces = _pieces_of(state_dict, member, group_name)
     with _lock:
         previous = _previous.setdefault(group_name, {}) if delta else None
     changed = [
@@ -486,40 +538,92 @@ def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], receiv
 
     report.route = "same-host"
     senders = len(pids)
+    with _lock:
+        cached = _layouts.get(member.spec.name)
+    layouts = cached[1] if cached is not None and cached[0] is member else {}
     for source, header in enumerate(_receive_lent(member, senders)):
-        pieces, ranges = [], []
-        for (name, dtype, shape, offset, numel, changed), address in zip(
-            header["pieces"], header["addresses"]
-        ):
-            piece = Piece(name, dtype, tuple(shape), offset, numel)
-            full = _full(params, piece)
-            if offset < 0 or numel < 0 or offset + numel > full.numel():
-                # Written through raw addresses below: never past the parameter's end.
-                raise ValueError(
-                    f"{name}: trainer rank {source} sent elements {offset}..{offset + numel} of a "
-                    f"tensor of {full.numel()}; its shard does not fit the full shape {tuple(shape)}"
-                )
-            pieces.append(piece)
-            nbytes = numel * full.element_size()
-            report.shard_bytes += nbytes
-            if not changed:
-                continue
-            report.changed_bytes += nbytes
-            if full.device.type == "cpu":
-                # Into the parameter's own memory, where the piece's elements are.
-                ranges.append((address, full.data_ptr() + offset * full.element_size(), nbytes))
-            else:
-                target = full.reshape(-1)[offset : offset + numel]
-                staged = torch.empty(target.shape, dtype=target.dtype)
-                peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
-                target.copy_(staged)
+        layout = layouts.get(source)
+        if layout is None or layout.header is not header or not layout.holds(params):
+            layout = layouts[source] = _Layout.of(header, params, source)
+        report.shard_bytes += layout.shard_bytes
+        report.changed_bytes += layout.changed_bytes
+        for address, full, offset, numel in layout.staged:  # pieces not in host memory
+            target = full.data.reshape(-1)[offset : offset + numel]
+            staged = torch.empty(target.shape, dtype=target.dtype)
+            peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
+            target.copy_(staged)
         # One system call for the trainer rank's pieces, not one per piece.
-        peer_memory.read_many(pids[source], ranges)
-        received[source] = pieces
+        peer_memory.read_many(pids[source], layout.ranges)
+        received[source] = layout.pieces
+    with _lock:
+        _layouts[member.spec.name] = (member, layouts)
     done = torch.ones(1, dtype=torch.int64)
     works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
     for work in works:
         collective._wait(member, work, "weight sync")
+
+
+class _Layout:
+    """Where one trainer rank's header puts its pieces in this rollout rank's parameters:
+    the ranges one ``process_vm_readv`` copies (``(address there, address here, bytes)``),
+    checked once per header. A trainer rank whose tensors stay where they were sends no new
+    header (the rollout rank keeps the last one, the same object), and while the parameters
+    it fills lie where they lay (address, shape, dtype, device: ``model.state_dict()``
+    gives new alias objects each time, so not by identity), its layout is this one again."""
+
+    __slots__ = ("header", "pieces", "ranges", "staged", "targets", "shard_bytes", "changed_bytes")
+
+    def __init__(self, header: dict) -> None:
+        self.header = header
+        self.pieces: list[Piece] = []
+        self.ranges: list[tuple[int, int, int]] = []
+        self.staged: list[tuple] = []  # (address there, tensor, offset, numel): not on the host
+        self.targets: dict[str, tuple] = {}  # name -> _where() of the tensor it was checked with
+        self.shard_bytes = self.changed_bytes = 0
+
+    @classmethod
+    def of(cls, header: dict, params: Mapping[str, Any], source: int) -> _Layout:
+        """The layout of ``header`` (trainer rank ``source``'s) in ``params``.
+
+        Raises:
+            KeyError, ValueError: as :func:`_full`, or a piece that does not fit its tensor.
+        """
+        layout = cls(header)
+        for (name, dtype, shape, offset, numel, changed), address in zip(header["pieces"], header["addresses"]):
+            piece = Piece(name, dtype, tuple(shape), offset, numel)
+            full = _full(params, piece, alias=False)
+            if offset < 0 or numel < 0 or offset + numel > full.numel():
+                # Written through raw addresses: never past the parameter's end.
+                raise ValueError(
+                    f"{name}: trainer rank {source} sent elements {offset}..{offset + numel} of a "
+                    f"tensor of {full.numel()}; its shard does not fit the full shape {tuple(shape)}"
+                )
+            layout.pieces.append(piece)
+            layout.targets[name] = _where(full)
+            nbytes = numel * full.element_size()
+            layout.shard_bytes += nbytes
+            if not changed:
+                continue
+            layout.changed_bytes += nbytes
+            if full.device.type == "cpu":
+                # Into the parameter's own memory, where the piece's elements are.
+                layout.ranges.append((address, full.data_ptr() + offset * full.element_size(), nbytes))
+            else:
+                layout.staged.append((address, full, offset, numel))
+        return layout
+
+    def holds(self, params: Mapping[str, Any]) -> bool:
+        """Whether ``params``' tensors lie where those this layout was checked with did."""
+        for name, where in self.targets.items():
+            now = params.get(name)
+            if now is None or _where(now) != where:
+                return False
+        return True
+
+
+def _where(tensor: Any) -> tuple:
+    """Where a rollout tensor's elements are: what a layout's ranges depend on."""
+    return tensor.data_ptr(), tensor.shape, tensor.dtype, tensor.device, tensor.is_contiguous()
 
 
 def _receive_lent(member: Any, senders: int) -> list[dict]:
@@ -573,9 +677,11 @@ def _target(params: Mapping[str, Any], piece: Piece) -> Any:
     return full.reshape(-1)[piece.offset : piece.offset + piece.numel]
 
 
-def _full(params: Mapping[str, Any], piece: Piece) -> Any:
+def _full(params: Mapping[str, Any], piece: Piece, alias: bool = True) -> Any:
     """The rollout's whole tensor that ``piece`` is part of, checked against the trainer's
-    shape and dtype.
+    shape and dtype: its ``.data`` (an alias that in-place copies may write, a parameter
+    that requires grad included), or with ``alias=False`` the tensor itself (for its
+    address and sizes only: no alias made, every piece of every sync).
 
     Raises:
         KeyError: ``params`` has no such name. ValueError: another shape or dtype, or not
@@ -583,8 +689,10 @@ def _full(params: Mapping[str, Any], piece: Piece) -> Any:
     """
     if piece.name not in params:
         raise KeyError(f"the trainer sent {piece.name!r}, which the rollout's parameters lack")
-    full = params[piece.name].data
-    dtype = str(full.dtype).removeprefix("torch.")
+    full = params[piece.name].data if alias else params[piece.name]
+    dtype = _DTYPE_NAMES.get(full.dtype) or _DTYPE_NAMES.setdefault(
+        full.dtype, str(full.dtype).removeprefix("torch.")
+    )
     if tuple(full.shape) != piece.shape or dtype != piece.dtype or not full.is_contiguous():
         raise ValueError(
             f"{piece.name}: the rollout holds a {'' if full.is_contiguous() else 'non-contiguous '}{dtype} "
@@ -592,6 +700,10 @@ def _full(params: Mapping[str, Any], piece: Piece) -> Any:
             "build the rollout model with the trainer's config and dtype"
         )
     return full
+
+
+#: torch dtype -> its name in a header ("float32").
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def _send_header(member: Any, header: dict, following: int | None) -> int:
@@ -683,5 +795,5 @@ def forget(group_name: str) -> None:
     at once, as a rank that forgot the headers it kept cannot take a sync whose trainer
     ranks did not."""
     with _lock:
-        for kept in (_previous, _received, _routes, _lent, _kept):
+        for kept in (_previous, _received, _routes, _lent, _kept, _layouts, _sent_pieces):
             kept.pop(group_name, None)
