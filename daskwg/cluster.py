@@ -51,11 +51,18 @@ RANK_WORKER_CONFIG: dict[str, Any] = {
     # the GIL from the threads that serve calls (measured on 2 cores: 3.7% -> 2.3% of a
     # core per idle worker; small non-blocking calls ~5% faster).
     "distributed.worker.profile.enabled": False,
+    # Every Dask server measures its event loop's responsiveness with a callback every
+    # 20 ms (distributed.admin.tick.interval): a task scheduled 50 times a second on
+    # each worker, and on the scheduler and every nanny of local_cluster()'s driver
+    # process. Once a second still catches an event loop blocked for its 3 s limit
+    # (distributed.admin.tick.limit), which is all it warns about; an idle worker's CPU
+    # went 9-10 -> 3 ms a second (measured on 2 cores), 32 of them 0.3 -> 0.1 of a core.
+    "distributed.admin.tick.interval": "1s",
 }
 
 #: Of :data:`RANK_WORKER_CONFIG`, what also applies to the servers ``local_cluster()``
 #: starts in the calling process (the scheduler and the nannies, on one event loop).
-DRIVER_SIDE_KEYS = ("distributed.worker.profile.enabled",)
+DRIVER_SIDE_KEYS = ("distributed.worker.profile.enabled", "distributed.admin.tick.interval")
 
 #: The preload module ``local_cluster()`` adds to its workers: they ignore SIGINT, so a
 #: Ctrl-C in the driver's terminal (whose process group they share) leaves them running.

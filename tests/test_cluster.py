@@ -35,6 +35,14 @@ def test_local_cluster_without_gpus_is_one_process_per_worker_with_one_thread():
         # (scheduler, nannies; distributed starts none on Python 3.11 anyway).
         assert client.run(_profiling) == {w: (False, False) for w in wg.workers}
         assert _samplers() == samplers
+        # Event loops' responsiveness is measured once a second, not every 20 ms: on the
+        # workers, and on the scheduler this process runs.
+        assert set(client.run(_tick_interval).values()) == {1.0}
+        assert cluster.scheduler._tick_interval == 1.0
+
+
+def _tick_interval(dask_worker=None) -> float:
+    return dask_worker._tick_interval
 
 
 def _samplers() -> int:
