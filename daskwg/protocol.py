@@ -285,18 +285,15 @@ _LARGE_CAT = 1 << 20
 
 def concat_small_columns(parts: list[Any]) -> Any:
     """``DataProto.concat(parts)`` of parts whose columns are all small (a wide batch: many
-    keys of few bytes, as ranks return them), with a few torch calls per run of keys, not
-    per key: ``None`` where the parts are not such (not flat TensorDicts of CPU tensors,
+    keys of few bytes, as ranks return them), with one ``torch.cat`` per key and no other
+    Python per key and part: ``None`` where the parts are not such (not flat TensorDicts,
     columns of :data:`_LARGE_CAT` bytes or more, non-tensor entries, parts that disagree),
     and the caller concatenates them as before. ``parts``: DataProtos, left as they are.
 
-    The keys of one dtype and trailing shape (in the first part's order) are stacked in
-    each part, the stacks concatenated along the rows, and each key's column is its row of
-    the result: a contiguous view, the run's columns sharing one block, as the packed
-    columns a rank sends share theirs (:func:`daskwg.wire.codec.rebuild_columns`). A key
-    alone in its run is concatenated as it is. Disagreeing parts (a missing key, another
-    shape or dtype, a non-CPU or non-strided tensor) fall back to the ordinary path, which
-    raises or promotes as ``DataProto.concat`` does.
+    ``torch.cat`` is what ``DataProto.concat`` runs per key too (through ``tensordict``), so
+    its result is the same: each column a tensor of its own, dtypes promoted as it does,
+    gradients tracked as it does. Parts whose keys differ, or whose shapes do not
+    concatenate, go to the ordinary path, which raises ``DataProto.concat``'s errors.
     """
     if len(parts) < 2 or not all(
         p.batch is not None
@@ -311,35 +308,18 @@ def concat_small_columns(parts: list[Any]) -> Any:
     first = columns[0]
     if any(len(cols) != len(first) for cols in columns):
         return None
-    runs: dict[tuple, list] = {}
-    for key, t in first.items():
-        if type(t) is not torch.Tensor or not t.dim() or t.nbytes * len(parts) >= _LARGE_CAT:
-            return None
-        runs.setdefault((t.dtype, t.shape[1:]), []).append(key)
+    count = len(parts)
     out: dict[str, Any] = {}
     try:
-        for (dtype, trailing), keys in runs.items():
-            if len(keys) == 1:
-                joined = torch.cat([cols[keys[0]] for cols in columns])
-                views: Any = (joined,)
-            else:
-                stacks = [torch.stack([cols[k] for k in keys]) for cols in columns]
-                # torch.stack promotes mixed dtypes: a key of another dtype in some part
-                # would change its run's dtype, so such parts take the ordinary path.
-                if any(st.dtype != dtype or not st.is_cpu or st.layout != torch.strided for st in stacks):
-                    return None
-                joined = torch.cat(stacks, dim=1)
-                views = joined.unbind(0)
-            if not joined.is_cpu or joined.layout != torch.strided:
+        for key, t in first.items():
+            if type(t) is not torch.Tensor or not t.dim() or t.nbytes * count >= _LARGE_CAT:
                 return None
-            for key, column in zip(keys, views):
-                out[key] = column
+            out[key] = torch.cat([cols[key] for cols in columns])
     except (KeyError, RuntimeError, TypeError, ValueError):
         return None
     shells = [type(p)(batch=None, non_tensor_batch=p.non_tensor_batch, meta_info=p.meta_info) for p in parts]
     merged = DataProto.concat(shells)
     rows = sum(p.batch.batch_size[0] for p in parts)
-    out = {key: out[key] for key in first.keys()}  # the parts' key order
     batch = TensorDict(out, batch_size=[rows], device=parts[0].batch.device)
     return type(merged)(batch=batch, non_tensor_batch=merged.non_tensor_batch, meta_info=merged.meta_info)
 

@@ -180,7 +180,7 @@ def test_part_info_of_a_wide_snapshot_is_read_without_rebuilding_its_columns(cas
     assert not rebuilt
 
 
-def test_small_columns_are_collected_by_runs_as_dataproto_concat_would():
+def test_small_columns_are_collected_as_dataproto_concat_would():
     from daskwg.protocol import concat_small_columns
 
     parts = wide(keys=64).chunk(3)
@@ -188,21 +188,36 @@ def test_small_columns_are_collected_by_runs_as_dataproto_concat_would():
     assert got is not None
     assert_same(got, DataProto.concat(list(parts)))
     for key, value in got.batch.items():
+        # Each column a tensor of its own: saving or keeping one holds only its bytes.
         assert value.is_contiguous(), key
-    # Each column is its own: a change to one leaves the others of its run.
+        assert value.untyped_storage().nbytes() == value.nbytes, key
     got.batch["k001"] += 1
     assert torch.equal(got.batch["k004"], DataProto.concat(list(parts)).batch["k004"])
 
 
-@pytest.mark.parametrize("change", ["dtype", "missing", "trailing", "large"])
+def test_small_columns_with_gradients_or_another_dtype_on_one_rank_collect_as_dataproto_concat():
+    from daskwg.protocol import concat_small_columns
+
+    parts = list(wide(keys=16).chunk(2))
+    parts[1].batch["k007"] = parts[1].batch["k007"].to(torch.float64)  # promoted, as torch.cat does
+    for part in parts:
+        part.batch["k000"] = part.batch["k000"].float().requires_grad_()
+    got = concat_small_columns(parts)
+    want = DataProto.concat(parts)
+    assert got.batch["k007"].dtype == want.batch["k007"].dtype == torch.float64
+    assert torch.equal(got.batch["k007"], want.batch["k007"])
+    assert got.batch["k000"].requires_grad and got.batch["k000"].grad_fn is not None
+    with torch.no_grad():
+        got.batch["k000"].mul_(2)  # an ordinary tensor, not a view of a multi-output op
+
+
+@pytest.mark.parametrize("change", ["missing", "trailing", "large"])
 def test_parts_that_disagree_are_left_to_dataproto_concat(change):
     from daskwg.protocol import concat_small_columns
 
     parts = list(wide(keys=16).chunk(2))
     second = parts[1].batch
-    if change == "dtype":  # torch.stack would promote the whole run: not by runs
-        second["k007"] = second["k007"].to(torch.float64)
-    elif change == "missing":
+    if change == "missing":
         del second["k003"]
         second["extra"] = torch.zeros(second.batch_size[0])
     elif change == "trailing":
