@@ -114,6 +114,10 @@ class Trainer(Worker):
         optimizer.step()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def forget(self, name: str) -> None:
+        sync.forget(name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def move_weights(self) -> None:
         """Give every parameter new memory with the same values (as a reload would): a
         sync must not write or read where the old memory was."""
@@ -164,6 +168,10 @@ class Rollout(Worker):
                 p.zero_()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def forget(self, name: str) -> None:
+        sync.forget(name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def move_weights(self) -> None:
         """Give every parameter new, zeroed memory: a sync must fill the new memory."""
         with torch.no_grad():
@@ -171,8 +179,12 @@ class Rollout(Worker):
                 p.data = torch.zeros_like(p.data)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def receive(self, name: str, senders: int, same_host: bool = True) -> dict:
+    def receive(self, name: str, senders: int, same_host: bool = True, drop: str | None = None) -> dict:
+        """Take a sync into this rank's model (``drop``: a name left out of the parameters
+        handed to it, which the trainer sends)."""
         params = self.model.state_dict()
+        if drop is not None:
+            del params[drop]
         report, growth = rss_peak_growth(
             lambda: sync.receive_shards(params, name, senders=senders, same_host=same_host)
         )

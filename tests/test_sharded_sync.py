@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -155,6 +156,46 @@ def test_a_sync_after_the_weights_moved_in_memory_reads_and_writes_where_they_ar
     sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, same_host=same_host)
     assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
     assert [r["digests"] for r in got] == [[s["digest"] for s in sent]] * 4
+
+
+@routes
+def test_a_delta_sync_into_moved_rollout_weights_says_to_forget_and_the_collective_goes_on(
+    groups, collective, same_host
+):
+    trainer, rollout = groups
+    sync(trainer, rollout, collective, bucket_bytes=4096, delta=True, same_host=same_host)
+    trainer.train()  # the frozen layers do not change: a delta sync does not send them
+    rollout.move_weights()  # ... and the rollout's copy of them is gone
+    sent = trainer.send(collective, 4096, True, same_host)
+    got = rollout.receive(collective, trainer.world_size, same_host)
+    with pytest.raises(daskwg.RankError, match="forget"):
+        daskwg.get(got)
+    if same_host:  # the rollout ranks' failure reaches the trainer ranks at once
+        with pytest.raises(daskwg.RankError, match="could not take it"):
+            daskwg.get(sent)
+    else:  # every stream was taken before the rollout rank raised
+        daskwg.get(sent)
+    trainer.forget(collective)
+    rollout.forget(collective)
+    sent, got = sync(trainer, rollout, collective, bucket_bytes=4096, delta=True, same_host=same_host)
+    assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
+
+
+def test_a_rollout_rank_that_cannot_take_a_sync_fails_the_trainers_at_once_and_the_next_works(
+    groups, collective
+):
+    trainer, rollout = groups
+    sync(trainer, rollout, collective, bucket_bytes=4096)
+    started = time.monotonic()
+    sent = trainer.send(collective, 4096)
+    got = rollout.receive(collective, trainer.world_size, True, "0.weight")
+    with pytest.raises(daskwg.RankError, match="lack"):
+        daskwg.get(got)
+    with pytest.raises(daskwg.RankError, match="could not take it"):
+        daskwg.get(sent)
+    assert time.monotonic() - started < 20  # not the collective's timeout
+    _, got = sync(trainer, rollout, collective, bucket_bytes=4096)
+    assert [r["full_digest"] for r in got] == [trainer.full_digest()[0]] * 4
 
 
 @routes

@@ -135,6 +135,8 @@ _lent: dict[str, tuple[Any, bytes]] = {}
 _kept: dict[str, tuple[Any, dict[int, dict]]] = {}
 # collective name -> (member, [(name, _layout)] of the state dict, its [(piece, None)])
 _sent_pieces: dict[str, tuple[Any, list, list]] = {}
+# rollout ranks: collective name -> (member, tensor name -> _where() at the last sync)
+_placed: dict[str, tuple[Any, dict[str, tuple]]] = {}
 # same-host route: collective name -> (member, trainer rank -> its _Layout here)
 _layouts: dict[str, tuple[Any, dict[int, Any]]] = {}
 
@@ -420,6 +422,10 @@ def receive_shards(
         with _lock:
             _received[group_name] = received
         return report
+    with _lock:
+        placed = _placed.get(group_name)
+    placed = dict(placed[1]) if placed is not None and placed[0] is member else {}
+    moved: ValueError | None = None  # raised once every stream has been taken
     for source in range(senders):
         previous, following = _chain(member, senders, source)
         header = _receive_header(member, previous)
@@ -431,8 +437,15 @@ def receive_shards(
             target = _target(params, piece)
             pieces.append(piece)
             report.shard_bytes += target.nbytes
+            where = _where(_full(params, piece, alias=False))
             if changed:
                 targets.append(_bytes(target))
+            elif moved is None:
+                try:
+                    _check_kept(name, where, placed, group_name)
+                except ValueError as exc:
+                    moved = exc
+            placed[name] = where
         received[source] = pieces
         total = sum(t.numel() for t in targets)
         report.changed_bytes += total
@@ -450,6 +463,9 @@ def receive_shards(
             report.buckets += 1
     with _lock:
         _received[group_name] = received
+        _placed[group_name] = (member, placed)
+    if moved is not None:
+        raise moved
     return report
 
 
@@ -525,9 +541,17 @@ def _lend_shard(
     works += [member.group.recv([ack], rank, _ACK_TAG) for ack, rank in zip(acks, rollouts)]
     for work in reversed(works):
         collective._wait(member, work, "weight sync")
+    del locals_
+    failed = [rank for ack, rank in zip(acks, rollouts) if int(ack) != 1]
+    if failed:
+        # Every message of this sync was exchanged: the collective serves the next one.
+        raise RuntimeError(
+            f"weight sync on collective {member.spec.name!r}: rollout rank(s) {failed} could not "
+            "take it (their own errors say why); this trainer rank's shards are unchanged, and "
+            "the next sync sends them again"
+        )
     with _lock:
         _lent[member.spec.name] = (member, text)
-    del locals_
 
 
 def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], received: dict, report) -> None:
@@ -540,27 +564,46 @@ def _read_shards(member: Any, params: Mapping[str, Any], pids: list[int], receiv
     senders = len(pids)
     with _lock:
         cached = _layouts.get(member.spec.name)
+        placed = _placed.get(member.spec.name)
     layouts = cached[1] if cached is not None and cached[0] is member else {}
-    for source, header in enumerate(_receive_lent(member, senders)):
-        layout = layouts.get(source)
-        if layout is None or layout.header is not header or not layout.holds(params):
-            layout = layouts[source] = _Layout.of(header, params, source)
-        report.shard_bytes += layout.shard_bytes
-        report.changed_bytes += layout.changed_bytes
-        for address, full, offset, numel in layout.staged:  # pieces not in host memory
-            target = full.data.reshape(-1)[offset : offset + numel]
-            staged = torch.empty(target.shape, dtype=target.dtype)
-            peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
-            target.copy_(staged)
-        # One system call for the trainer rank's pieces, not one per piece.
-        peer_memory.read_many(pids[source], layout.ranges)
-        received[source] = layout.pieces
+    placed = placed[1] if placed is not None and placed[0] is member else {}
+    error: BaseException | None = None
+    try:
+        # Every trainer rank's header arrives before anything here may fail: a failure
+        # below is acknowledged as one, and the collective stays in step for the next sync.
+        headers = _receive_lent(member, senders)
+        for source, header in enumerate(headers):
+            layout = layouts.get(source)
+            if layout is None or layout.header is not header or not layout.holds(params):
+                layout = layouts[source] = _Layout.of(header, params, source, placed, member.spec.name)
+                for name, where in layout.targets.items():
+                    placed[name] = where
+            report.shard_bytes += layout.shard_bytes
+            report.changed_bytes += layout.changed_bytes
+            for address, full, offset, numel in layout.staged:  # pieces not in host memory
+                target = full.data.reshape(-1)[offset : offset + numel]
+                staged = torch.empty(target.shape, dtype=target.dtype)
+                peer_memory.read_into(pids[source], address, staged.data_ptr(), staged.nbytes)
+                target.copy_(staged)
+            # One system call for the trainer rank's pieces, not one per piece.
+            peer_memory.read_many(pids[source], layout.ranges)
+            received[source] = layout.pieces
+    except Exception as exc:  # noqa: BLE001 - raised below, once the trainers know
+        error = exc
+        layouts.clear()
     with _lock:
         _layouts[member.spec.name] = (member, layouts)
-    done = torch.ones(1, dtype=torch.int64)
-    works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
-    for work in works:
-        collective._wait(member, work, "weight sync")
+        _placed[member.spec.name] = (member, placed)
+    done = torch.tensor([0 if error else 1], dtype=torch.int64)
+    try:
+        works = [member.group.send([done], source, _ACK_TAG) for source in range(senders)]
+        for work in works:
+            collective._wait(member, work, "weight sync")
+    except Exception:
+        if error is None:
+            raise
+    if error is not None:
+        raise error
 
 
 class _Layout:
@@ -582,11 +625,15 @@ class _Layout:
         self.shard_bytes = self.changed_bytes = 0
 
     @classmethod
-    def of(cls, header: dict, params: Mapping[str, Any], source: int) -> _Layout:
-        """The layout of ``header`` (trainer rank ``source``'s) in ``params``.
+    def of(
+        cls, header: dict, params: Mapping[str, Any], source: int, placed: dict, group_name: str
+    ) -> _Layout:
+        """The layout of ``header`` (trainer rank ``source``'s) in ``params``; ``placed``:
+        where each tensor lay at this rank's last sync (:func:`_where`).
 
         Raises:
-            KeyError, ValueError: as :func:`_full`, or a piece that does not fit its tensor.
+            KeyError, ValueError: as :func:`_full`, a piece that does not fit its tensor, or
+                (:func:`_check_kept`) a piece the trainer did not send whose tensor moved.
         """
         layout = cls(header)
         for (name, dtype, shape, offset, numel, changed), address in zip(header["pieces"], header["addresses"]):
@@ -603,6 +650,7 @@ class _Layout:
             nbytes = numel * full.element_size()
             layout.shard_bytes += nbytes
             if not changed:
+                _check_kept(name, layout.targets[name], placed, group_name)
                 continue
             layout.changed_bytes += nbytes
             if full.device.type == "cpu":
@@ -619,6 +667,23 @@ class _Layout:
             if now is None or _where(now) != where:
                 return False
         return True
+
+
+def _check_kept(name: str, where: tuple, placed: dict, group_name: str) -> None:
+    """A delta sync sent nothing for ``name``: this rank's tensor must still hold what the
+    last sync left, so it must lie where it lay then (``placed``).
+
+    Raises:
+        ValueError: it moved or was replaced (a reload, ``load_state_dict(assign=True)``,
+            ``.data = ...``): what the trainer did not send is not there.
+    """
+    if placed.get(name) != where:
+        raise ValueError(
+            f"{name}: the trainer sent only what changed (delta=True), but this rollout rank's "
+            "tensor is not the one the last sync filled (it moved or was replaced): call "
+            f"daskwg.sync.forget({group_name!r}) on every member of the collective, then sync "
+            "again (the next sync sends everything)"
+        )
 
 
 def _where(tensor: Any) -> tuple:
@@ -795,5 +860,5 @@ def forget(group_name: str) -> None:
     at once, as a rank that forgot the headers it kept cannot take a sync whose trainer
     ranks did not."""
     with _lock:
-        for kept in (_previous, _received, _routes, _lent, _kept, _layouts, _sent_pieces):
+        for kept in (_previous, _received, _routes, _lent, _kept, _layouts, _sent_pieces, _placed):
             kept.pop(group_name, None)
