@@ -80,7 +80,6 @@ def read_into(pid: int, address: int, into: int, nbytes: int) -> None:
         done += got
 
 
-
 #: iovecs per ``process_vm_readv`` call: Linux's ``UIO_MAXIOV`` (``IOV_MAX``).
 IOV_MAX = 1024
 
@@ -120,6 +119,7 @@ def read_many(pid: int, ranges: list[tuple[int, int, int]]) -> None:
             got -= take
             if take < n:
                 read_into(pid, there + take, here + take, n - take)
+
 
 @dataclass(frozen=True)
 class Probe:

@@ -264,7 +264,12 @@ def rebuild_columns(
         torch_dtype = getattr(torch, dtype)
         nbytes = math.prod(shape) * torch_dtype.itemsize
         j = i + 1
-        while j < count and packed[j][1] == dtype and packed[j][2] == shape and packed[j][3] == offset + (j - i) * nbytes:
+        while (
+            j < count
+            and packed[j][1] == dtype
+            and packed[j][2] == shape
+            and packed[j][3] == offset + (j - i) * nbytes
+        ):
             j += 1
         if nbytes and offset % torch_dtype.itemsize == 0:
             run = raw[offset : offset + (j - i) * nbytes].view(torch_dtype).view(j - i, *shape).unbind(0)
