@@ -107,7 +107,15 @@ def test_a_cancelled_queued_call_never_runs_and_later_calls_go_on(client, wg, ho
 def test_a_cancelled_running_async_call_gets_cancelled_error_at_its_next_await(client, wg, cancel):
     wg.take_events()
     running = wg.generate(batch(steps=1200, step_s=0.05))  # a minute, unless cancelled
-    _wait_for(wg, lambda r: r["state"] == "running" and r["method"] == "generate")
+    # Running, and its coroutine begun on every rank (its stack is the task's, in
+    # generate): a call its host thread took whose task does not exist yet does not begin
+    # when cancelled, and would note nothing.
+    _wait_for(
+        wg,
+        lambda r: (
+            r["state"] == "running" and r["method"] == "generate" and "in generate" in (r["stack"] or "")
+        ),
+    )
     CANCELS[cancel](client, running)
     # Taken once the rank is free again: after the cancellation, long before the minute.
     assert wg.take_events() == [["generate started", "generate cancelled"]] * RANKS
