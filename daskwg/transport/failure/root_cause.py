@@ -11,7 +11,8 @@ It is asked only when a call failed with an error that looks like a peer's failu
 connection, a timeout) or while a worker of the group is already taken as lost. It looks
 at the driver's lost marks (the scheduler's remove-worker events, the heartbeat, dropped
 call streams), and opens a TCP connection to every other worker of the group once: a
-worker whose port refuses the connection has no process there any more. Where every
+worker whose port refuses the connection, or resets it before the first byte of Dask's
+handshake, has no live process there any more. Where every
 worker accepts, the answer is known within one connection (milliseconds on a LAN) and
 the survivor's error stands. Where one refuses, the driver waits, at most
 :data:`ROOT_CAUSE_WAIT` seconds, for the scheduler's word on why (so the error says "its
@@ -65,19 +66,37 @@ def looks_like_peer_failure(exc: BaseException) -> bool:
 
 
 async def _probe(address: str) -> str:
-    """``"refused"`` (no process listens there), ``"answers"`` or ``"unknown"`` (a host that
-    does not answer in time, or an address that is not TCP)."""
+    """``"refused"`` (no process listens there, or the one that did closed the connection
+    unanswered: a process being torn down), ``"answers"`` or ``"unknown"`` (a host or
+    worker that does not answer in time, or an address that is not TCP).
+
+    A TCP connection alone does not tell: the kernel completes it from the listening
+    socket's backlog while a killed process's sockets are still being closed, and its
+    peers' collectives may already have failed by then. Over ``tcp://`` the probe
+    therefore waits for the first byte of the worker's Dask handshake, which a live
+    worker writes as soon as it accepts (``distributed.comm.core.Listener.on_connection``);
+    a dying one's listening socket resets the connection instead. Over ``tls://`` the
+    client speaks first, so the connection alone is taken as the answer.
+    """
+    writer = None
     try:
         scheme, location = parse_address(address)
         if scheme not in ("tcp", "tls"):
             return "unknown"
         host, port = parse_host_port(location)
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _PROBE_TIMEOUT)
-    except ConnectionRefusedError:
+        end = time.monotonic() + _PROBE_TIMEOUT
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _PROBE_TIMEOUT)
+        if scheme == "tcp":
+            first = await asyncio.wait_for(reader.read(1), max(end - time.monotonic(), 0.0))
+            if not first:
+                return "refused"
+    except (ConnectionRefusedError, ConnectionResetError):
         return "refused"
     except (OSError, asyncio.TimeoutError, ValueError):
         return "unknown"
-    writer.close()
+    finally:
+        if writer is not None:
+            writer.close()
     return "answers"
 
 
@@ -133,7 +152,8 @@ async def find_lost_rank(
                 slot = ranks.slots[rank]
                 reason = ranks.driver.lost.setdefault(
                     slot.server_id,
-                    "its process is gone: its port refused the driver's connection after its peers failed",
+                    "its process is gone: its port refused the driver's connection (or closed it unanswered) after "
+                    "its peers failed",
                 )
                 failures.worker_lost(slot.address, reason)
                 return rank
