@@ -77,19 +77,23 @@ def restart_workers(
             # Whether they are back is checked below, by process id, with its own bound.
             client.restart_workers(workers=addresses, raise_for_error=False)
         end = time.monotonic() + timeout
+        asked: Exception | None = None  # why the last look at the cluster failed, if it did
         while True:
             events_in = all(s.server_id in lost for s in slots)
             try:
-                current = ResourcePool(client).slots
-            except (ValueError, WorldSizeError, OSError):
-                current = []  # none yet, or one closing while asked: the next round
+                current, asked = ResourcePool(client).slots, None
+            except (ValueError, WorldSizeError, OSError) as exc:
+                current, asked = [], exc  # none yet, or one closing while asked: the next round
             fresh = [next((c for c in current if same_worker(c, s)), None) for s in slots]
             if events_in and all(f is not None and f.server_id != o.server_id for f, o in zip(fresh, slots)):
                 return fresh
             if time.monotonic() > end:
+                why = (
+                    f"; the last look at the cluster raised {type(asked).__name__}: {asked}" if asked else ""
+                )
                 raise WorkerGroupError(
                     f"the workers of group {group_name!r} did not come back within {timeout:g} s of their "
-                    f"restart ({[s.address for s in slots]}); the group is unusable: shut it down"
+                    f"restart ({[s.address for s in slots]}){why}; the group is unusable: shut it down"
                 )
             time.sleep(0.1)
 
