@@ -730,7 +730,10 @@ def heal_groups(groups: Groups, step: int, args: argparse.Namespace) -> list:
 
     ``wg.heal()`` rebuilds each broken group on free workers (a worker whose nanny has
     restarted it is free); ``on_membership_change`` builds the replacements' models and
-    the trainer ranks' new process group. Then every trainer rank goes back to the state
+    the trainer ranks' new process group. The trainer ranks rendezvous again even when
+    none was lost (``rendezvous=True``): a lost rollout rank's rows never reach some
+    trainer ranks, the others' gradient all-reduce times out, and gloo closes its
+    connections, so the old process group would fail the next collective. Then every trainer rank goes back to the state
     after ``step`` updates and the replacements take it from a surviving trainer rank
     (``recover_state``, a broadcast over that process group), and the rollout ranks load
     the trainer's weights worker to worker (``sync_weights``). Nothing goes through the
@@ -738,8 +741,8 @@ def heal_groups(groups: Groups, step: int, args: argparse.Namespace) -> list:
     """
     reports = []
     for group in groups.all():
-        report = group.heal(timeout=args.recover_timeout)
-        if report.moved:
+        report = group.heal(timeout=args.recover_timeout, rendezvous=group is groups.actor)
+        if report.event is not None:
             reports.append((group, report))
     actor_report = next((r for g, r in reports if g is groups.actor), None)
     new_ranks = sorted(actor_report.moved) if actor_report is not None else []

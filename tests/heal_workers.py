@@ -39,8 +39,8 @@ class HealWorker(Worker):
         return self.tag, self.rank, self.world_size, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_pg(self) -> bool:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    def init_pg(self, timeout_s: float = 20.0) -> bool:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         return dist.is_initialized()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -48,6 +48,18 @@ class HealWorker(Worker):
         t = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(t)
         return t.item()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_on(self, ranks: list[int]) -> str:
+        """An all-reduce that only ``ranks`` join (the others' input was lost, say): they
+        time out. Returns ``"left out"`` or the error the rank's all-reduce raised."""
+        if self.rank not in ranks:
+            return "left out"
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as exc:
+            return str(exc)
+        return "finished"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def all_reduce_later(self) -> float:

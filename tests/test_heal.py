@@ -4,9 +4,11 @@ grows and shrinks a group. Measured times are printed, never asserted."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -92,6 +94,31 @@ def test_a_step_plan_replayed_right_after_a_sigkill_raises_the_dead_ranks_worker
         wg.shutdown()
 
 
+@pytest.mark.timeout(30)
+def test_the_probe_takes_a_port_that_resets_its_connection_unanswered_as_gone_and_a_worker_as_alive(client):
+    """A killed process's listening socket can outlive its gloo sockets for a moment: the
+    kernel still completes a connection from its backlog, then resets it. The root-cause
+    probe waits for the first byte of Dask's handshake, so that moment reads as gone (a
+    bare connection used to read as alive, and the survivor's RankError won: seen in CI)."""
+    from daskwg.transport.failure.root_cause import _probe
+
+    with socket.socket() as dying:  # listens, never accepts: a process being torn down
+        dying.bind(("127.0.0.1", 0))
+        dying.listen(8)
+        address = f"tcp://127.0.0.1:{dying.getsockname()[1]}"
+
+        async def probe_then_close() -> str:
+            probe = asyncio.ensure_future(_probe(address))
+            await asyncio.sleep(0.2)
+            assert not probe.done()  # connected, waiting for a byte
+            dying.close()
+            return await probe
+
+        assert asyncio.run(probe_then_close()) == "refused"
+    worker = next(iter(client.scheduler_info()["workers"]))
+    assert asyncio.run(_probe(worker)) == "answers"
+
+
 # ---- heal ---------------------------------------------------------------------------------
 
 
@@ -118,6 +145,32 @@ def test_heal_keeps_the_survivors_processes_and_state_and_an_all_reduce_spans_ev
         assert wg.place() == [("t", r, 3, addr, str(port)) for r in range(3)]
         assert wg.membership_events() == [[("heal", 3, 3, (1,))]] * 3
         assert not wg.is_broken
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_heal_with_rendezvous_gives_ranks_whose_collective_timed_out_a_working_process_group(client):
+    """No worker is lost, but an all-reduce that rank 2 never joined timed out on ranks 0
+    and 1, and gloo closed their connections: every rank's process group is unusable. A
+    plain heal() leaves the group as it is; heal(rendezvous=True) gives the same processes a
+    new rendezvous and runs on_membership_change, which initialises the group again."""
+    wg = WorkerGroup(client, HealWorker, world_size=3)
+    try:
+        assert wg.init_pg(2.0) == [True] * 3
+        pids, port = wg.pid(), wg.place()[0][4]
+        outcomes = wg.all_reduce_on([0, 1])
+        assert outcomes[2] == "left out" and all("Timed out" in o for o in outcomes[:2]), outcomes
+        with pytest.raises(daskwg.RankError):
+            wg.all_reduce()
+        plain = wg.heal()
+        assert plain.moved == {} and plain.event is None and wg.place()[0][4] == port
+        report = wg.heal(rendezvous=True)
+        assert report.moved == {} and report.event.new_ranks == () and report.master_port != int(port)
+        assert wg.pid() == pids
+        assert wg.all_reduce() == [6.0] * 3
+        assert wg.membership_events() == [[("heal", 3, 3, ())]] * 3
+        assert {p[4] for p in wg.place()} == {str(report.master_port)}
     finally:
         wg.shutdown()
 

@@ -377,7 +377,7 @@ class WorkerGroup(BoundGroup):
         self._build_ranks()
         self._publish()
 
-    def heal(self, timeout: float | None = None) -> MembershipReport:
+    def heal(self, timeout: float | None = None, rendezvous: bool = False) -> MembershipReport:
         """Replace the lost ranks of a broken group on free workers; the surviving ranks
         keep their processes and Python state.
 
@@ -389,10 +389,18 @@ class WorkerGroup(BoundGroup):
         fresh ``MASTER_PORT``; ``RANK``, ``WORLD_SIZE`` unchanged), survivors' torch default
         process group is destroyed, replacements run ``__init__`` with the group's
         arguments, then [`Worker.on_membership_change`][daskwg.Worker.on_membership_change]
-        runs on every rank at once. Logged. A healthy group is left as it is.
+        runs on every rank at once. Logged. A healthy group is left as it is, unless
+        ``rendezvous`` is true.
 
         Args:
             timeout: seconds to wait for free workers (and restarts), ``None``: 120.
+            rendezvous: also when no rank is replaced, give every rank the new rendezvous
+                and run ``on_membership_change`` (with empty ``new_ranks``). A collective
+                that failed on some ranks (a peer's input was lost, a gloo or NCCL timeout)
+                leaves the torch process group of every rank unusable although no worker
+                was lost: its next collective raises ("Connection closed by peer"). Pass it
+                for a group whose ranks may have been inside a collective when the failure
+                came.
 
         Returns:
             a ``daskwg.groups.heal.MembershipReport``: ``moved`` (rank -> (old, new)
@@ -405,7 +413,7 @@ class WorkerGroup(BoundGroup):
             WorkerGroupError: the group was attached, not built here.
             RankError: ``__init__`` or ``on_membership_change`` raised on a rank.
         """
-        return heal_group(self, timeout)
+        return heal_group(self, timeout, rendezvous=rendezvous)
 
     def resize(self, world_size: int, timeout: float | None = None) -> MembershipReport:
         """Grow or shrink the group between calls to ``world_size`` ranks.

@@ -124,8 +124,8 @@ class MembershipReport:
         )
 
 
-def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
-    """``wg.heal(timeout)``: see [`WorkerGroup.heal`][daskwg.WorkerGroup.heal]."""
+def heal_group(wg: Any, timeout: float | None, rendezvous: bool = False) -> MembershipReport:
+    """``wg.heal(timeout, rendezvous)``: see [`WorkerGroup.heal`][daskwg.WorkerGroup.heal]."""
     t0 = time.monotonic()
     _check_changeable(wg, "heal")
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -134,7 +134,7 @@ def heal_group(wg: Any, timeout: float | None) -> MembershipReport:
     transport.settle()
     lost = [r for r, s in enumerate(slots) if s.server_id in driver.health.lost]
     stuck = _stuck_ranks(wg, [r for r in range(len(slots)) if r not in lost])
-    if not lost and not stuck and transport.broken is None:
+    if not lost and not stuck and transport.broken is None and not rendezvous:
         logger.info("group %s: heal() found nothing to heal", wg._name)
         return MembershipReport(
             "heal",
