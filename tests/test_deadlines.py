@@ -439,6 +439,31 @@ def test_a_restart_slower_than_the_lost_worker_timeout_keeps_the_workers(hclient
     wait_for_workers(hclient, 3, timeout=60)
 
 
+def test_a_restart_that_runs_out_of_time_says_what_each_worker_still_lacked():
+    """The message of a restart that gave up names, worker by worker, whether the old
+    process's removal was seen, whether a new process of its Nanny registered, and what
+    Dask's restart answered (a CI run once waited out the bound with nothing to go on)."""
+    from daskwg.groups.pool import WorkerSlot
+    from daskwg.groups.restart import _not_back
+
+    def slot(port: int, sid: str) -> WorkerSlot:
+        return WorkerSlot(f"tcp://h:{port}", "h", f"w{port}", None, sid, nanny=f"tcp://h:{port + 1}")
+
+    old = [slot(1000, "a"), slot(2000, "b"), slot(3000, "c")]
+    fresh = [slot(1010, "a2"), None, old[2]]
+    text = _not_back(
+        old, fresh, {"a": "killed"}, {"tcp://h:1000": "OK", "tcp://h:2000": "timed out"}, OSError("x")
+    )
+    assert "tcp://h:1000: removal seen, new process at tcp://h:1010, restart answered 'OK'" in text
+    assert "tcp://h:2000: removal of the old process not seen, no worker of its Nanny registered" in text
+    assert "restart answered 'timed out'" in text
+    assert (
+        "tcp://h:3000: removal of the old process not seen, still the old process, restart answered 'nothing'"
+        in text
+    )
+    assert text.endswith("the last look at the cluster raised OSError: x")
+
+
 # ---- Ctrl-C --------------------------------------------------------------------------
 
 _CTRL_C_DRIVER = textwrap.dedent(

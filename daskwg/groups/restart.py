@@ -73,9 +73,10 @@ def restart_workers(
     missing = [s.address for s in slots if s.address not in info]
     addresses = sorted({s.address for s in slots} - set(missing))
     with _lost_workers_kept(timeout):
+        outcome: dict = {}  # address -> "OK" | "removed" | "timed out", as Dask answered
         if addresses:
             # Whether they are back is checked below, by process id, with its own bound.
-            client.restart_workers(workers=addresses, raise_for_error=False)
+            outcome = client.restart_workers(workers=addresses, raise_for_error=False) or {}
         end = time.monotonic() + timeout
         asked: Exception | None = None  # why the last look at the cluster failed, if it did
         while True:
@@ -88,14 +89,38 @@ def restart_workers(
             if events_in and all(f is not None and f.server_id != o.server_id for f, o in zip(fresh, slots)):
                 return fresh
             if time.monotonic() > end:
-                why = (
-                    f"; the last look at the cluster raised {type(asked).__name__}: {asked}" if asked else ""
-                )
                 raise WorkerGroupError(
                     f"the workers of group {group_name!r} did not come back within {timeout:g} s of their "
-                    f"restart ({[s.address for s in slots]}){why}; the group is unusable: shut it down"
+                    f"restart ({_not_back(slots, fresh, lost, outcome, asked)}); the group is unusable: shut it down"
                 )
             time.sleep(0.1)
+
+
+def _not_back(
+    slots: Sequence[WorkerSlot],
+    fresh: Sequence[WorkerSlot | None],
+    lost: Mapping[str, str],
+    outcome: Mapping[str, str],
+    asked: Exception | None,
+) -> str:
+    """What a restart that ran out of time was still waiting for, worker by worker: the
+    scheduler's removal of the old process (this driver's lost marks), a new process of
+    the same Nanny, and what ``client.restart_workers`` answered for it."""
+    parts = []
+    for old, new in zip(slots, fresh):
+        removal = "removal seen" if old.server_id in lost else "removal of the old process not seen"
+        if new is None:
+            process = "no worker of its Nanny registered"
+        elif new.server_id == old.server_id:
+            process = "still the old process"
+        else:
+            process = f"new process at {new.address}"
+        parts.append(
+            f"{old.address}: {removal}, {process}, restart answered {outcome.get(old.address, 'nothing')!r}"
+        )
+    if asked is not None:
+        parts.append(f"the last look at the cluster raised {type(asked).__name__}: {asked}")
+    return "; ".join(parts)
 
 
 def same_worker(candidate: WorkerSlot, old: WorkerSlot) -> bool:
